@@ -1,0 +1,3 @@
+from kvpatch.cli import main
+
+main()

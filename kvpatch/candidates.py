@@ -1,0 +1,57 @@
+"""candidates: what the engine hands to the rules.
+
+A ``CastCandidate`` is a cast of a whole KV pool that is not provably a no-op;
+a ``PlanCandidate`` is a FlashInfer MLA ``plan()`` call with its dtype,
+page-size and causal arguments picked out of either calling convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import libcst as cst
+
+from kvpatch.match import CastForm, Consumer, Origin
+
+# BatchMLAPagedAttentionWrapper.plan's parameters, in order.
+PLAN_PARAMS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads",
+               "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale",
+               "q_data_type", "kv_data_type")
+
+
+@dataclass
+class CastCandidate:
+    call: cst.Call  # the cast, e.g. X.to(q.dtype)
+    receiver: cst.BaseExpression  # X
+    form: CastForm
+    origin: Origin
+    consumers: List[Consumer]
+    guard_note: str = ""  # why an earlier q cast did not make it a no-op
+
+
+@dataclass
+class PlanCandidate:
+    call: cst.Call
+    receiver: Optional[cst.BaseExpression]  # the wrapper (None for a plain function)
+    form: str  # positional | keyword | function
+    args: dict = field(default_factory=dict)  # param name -> cst.Arg
+
+    def arg(self, name: str) -> Optional[cst.Arg]:
+        return self.args.get(name)
+
+
+def bind_plan_args(call: cst.Call, skip_first: bool = False) -> Optional[dict]:
+    """Map plan()'s parameters to the call's arguments; None on *args/**kw."""
+    pos = [a for a in call.args if a.keyword is None]
+    if any(a.star for a in call.args):
+        return None
+    if skip_first:
+        pos = pos[1:]
+    out = {}
+    for name, a in zip(PLAN_PARAMS, pos):
+        out[name] = a
+    for a in call.args:
+        if a.keyword is not None:
+            out[a.keyword.value] = a
+    return out

@@ -1,0 +1,74 @@
+"""classify: is a pool cast real, or provably a no-op?
+
+A cast `buf.to(D)` is a no-op when D is, on every path, the pool's own dtype:
+D names the KV dtype itself, or D is `q.dtype` and every definition of `q`
+that reaches the cast is `q = <...>.to(<KV dtype>)`. A cast of `q` to the KV
+dtype that only happens under a condition proves nothing: FA3, XPU and MUSA
+cast q only when `layer.head_dim <= 256`, and the absorbed-MLA layer has
+head_dim 576, so their later pool cast is real.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import libcst as cst
+
+from kvpatch.dataflow import Definition
+from kvpatch.match import CastForm, UnitContext, is_kv_dtype_expr
+
+
+@dataclass
+class NoopVerdict:
+    noop: bool
+    reason: str  # why it is a no-op, or why an earlier cast does not prove it
+
+
+def _to_kv_dtype(d: Definition, ctx: UnitContext) -> bool:
+    v = d.value
+    if d.kind != "assign" or not isinstance(v, cst.Call) or not isinstance(v.func, cst.Attribute):
+        return False
+    form = ctx.cast_form(v)
+    return form is not None and form.dtype is not None and is_kv_dtype_expr(form.dtype, ctx)
+
+
+def _guard_text(d: Definition, ctx: UnitContext) -> str:
+    if not d.guards:
+        return "on some path"
+    test, polarity = d.guards[-1]
+    if isinstance(test, (cst.For, cst.While)):
+        return "inside a loop"
+    code = ctx.code(test)
+    return f"under `if {code}`" if polarity else f"in the else of `if {code}`"
+
+
+def resolve_alias(expr: cst.BaseExpression, ctx: UnitContext, depth: int = 0) -> cst.BaseExpression:
+    """`dtype = q.dtype; buf.to(dtype)` -> `q.dtype` (single definition only)."""
+    if depth < 5 and isinstance(expr, cst.Name):
+        defs = ctx.flow.defs_of(expr)
+        if len(defs) == 1 and defs[0].kind == "assign" and defs[0].value is not None:
+            return resolve_alias(defs[0].value, ctx, depth + 1)
+    return expr
+
+
+def prove_noop(form: CastForm, ctx: UnitContext) -> NoopVerdict:
+    if form.dtype is None:
+        return NoopVerdict(False, "")
+    d = resolve_alias(form.dtype, ctx)
+    if is_kv_dtype_expr(d, ctx):
+        return NoopVerdict(True, f"casts to the KV dtype itself (`{ctx.code(d)}`)")
+    if isinstance(d, cst.Attribute) and d.attr.value == "dtype" and isinstance(d.value, cst.Name):
+        name = d.value.value
+        defs: List[Definition] = ctx.flow.defs_of(d.value)
+        proofs = [x for x in defs if _to_kv_dtype(x, ctx)]
+        if defs and len(proofs) == len(defs):
+            x = proofs[0]
+            return NoopVerdict(True, f"`{name}` is cast to the KV dtype on every path before this cast "
+                                     f"(`{ctx.code(x.stmt)}`, line {ctx.line(x.stmt)})")
+        if proofs:
+            x = proofs[0]
+            return NoopVerdict(False, f"`{name}` is cast to the KV dtype only {_guard_text(x, ctx)} "
+                                      f"(line {ctx.line(x.stmt)}); a guarded earlier cast proves nothing, "
+                                      f"so this cast is real on the other paths")
+    return NoopVerdict(False, "")

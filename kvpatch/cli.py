@@ -1,0 +1,433 @@
+"""kvpatch's command line: parse options, call the flow, render, exit.
+
+Exit codes (every command): 0 ok, 1 action needed (hot sites remain, or the
+checkout is not / partly patched, or verification failed), 2 error (bad
+input, unreadable or unparseable file, refused write), 3 drift (status) or
+GPU check not run (verify), 4 interrupted apply (status).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from kvpatch import __version__
+from kvpatch.report import EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class Out:
+    """Where output goes, and whether it is coloured."""
+
+    def __init__(self, color: str, quiet: bool, verbose: int) -> None:
+        self.quiet, self.verbose = quiet, verbose
+        if color == "always":
+            self.color_out = self.color_err = True
+        elif color == "never" or os.environ.get("NO_COLOR"):
+            self.color_out = self.color_err = False
+        else:
+            self.color_out = sys.stdout.isatty()
+            self.color_err = sys.stderr.isatty()
+
+    def style(self, text: str, **kw) -> str:
+        return click.style(text, **kw) if self.color_out else text
+
+    def echo(self, text: str = "", nl: bool = True) -> None:
+        click.echo(text, nl=nl, color=self.color_out)
+
+    def info(self, text: str) -> None:
+        """Progress and notices: stderr, silenced by -q."""
+        if not self.quiet:
+            click.echo(text, err=True, color=self.color_err)
+
+    def error(self, text: str) -> None:
+        click.echo(click.style("error: ", fg="red", bold=True) + text if self.color_err else "error: " + text,
+                   err=True, color=self.color_err)
+
+    def progress(self):
+        if self.quiet or not sys.stderr.isatty():
+            return None
+        last = [0.0]
+
+        def cb(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] > 0.1 or done == total:
+                last[0] = now
+                sys.stderr.write(f"\rscanning {done}/{total} files" + ("\n" if done == total else ""))
+                sys.stderr.flush()
+
+        return cb
+
+
+def _root(path: str, out: Out) -> Path:
+    from kvpatch.discover import looks_like_sglang
+
+    p = Path(path)
+    if not p.exists():
+        out.error(f"{path}: no such file or directory")
+        sys.exit(EXIT_ERROR)
+    if p.is_file() and p.suffix != ".py":
+        out.error(f"{path}: not a directory or a .py file")
+        sys.exit(EXIT_ERROR)
+    why = looks_like_sglang(p)
+    if why:
+        out.error(f"{path}: {why}")
+        sys.exit(EXIT_ERROR)
+    return p
+
+
+def _rules_opt(f):
+    return click.option("--rules", "rules", metavar="IDS", default=None,
+                        help="Comma-separated rule IDs or names to run (default: all; see `kvpatch rules`).")(f)
+
+
+def _split(rules: Optional[str]):
+    return [r for r in rules.split(",") if r.strip()] if rules else None
+
+
+def _check_rules(rules, out: Out):
+    from kvpatch.rule import load_rules
+
+    try:
+        return load_rules(rules)
+    except KeyError as exc:
+        out.error(exc.args[0])
+        sys.exit(EXIT_ERROR)
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="kvpatch")
+@click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
+              help="Colour output; auto colours only a terminal and honours NO_COLOR.")
+@click.option("-q", "--quiet", is_flag=True, help="Only results and errors; no progress or notices.")
+@click.option("-v", "--verbose", count=True, help="More detail (repeatable).")
+@click.pass_context
+def main(ctx, color, quiet, verbose):
+    """Find, rewrite and verify full-pool FP8 KV-cache casts in an SGLang checkout.
+
+    \b
+    kvpatch audit ~/sglang             what is there (nothing is written)
+    kvpatch apply --dry-run ~/sglang   the exact diff (nothing is written)
+    kvpatch apply ~/sglang             rewrite, on a new git branch, one commit
+    kvpatch verify ~/sglang            attention equivalence of the patch (GPU)
+    kvpatch revert ~/sglang            back to the original bytes
+
+    Shell completion: eval "$(_KVPATCH_COMPLETE=bash_source kvpatch)" (zsh_source, fish_source).
+    """
+    ctx.obj = Out(color, quiet, verbose)
+
+
+# -- audit -------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.argument("new_path", required=False, type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="JSON output (schema kvpatch.audit/1, see README).")
+@click.option("--sarif", "as_sarif", is_flag=True, help="SARIF 2.1.0 output, for code scanning.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
+              help="Write the JSON/SARIF/table to this file instead of stdout.")
+@click.option("--against", metavar="REF", help="Upgrade audit: compare with git REF of the same checkout.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
+@_rules_opt
+@click.pass_obj
+def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, rules):
+    """Report every KV-cache cast and FlashInfer MLA plan() call under PATH.
+
+    Each site gets file:line, Class.method, prefill/decode path, backend, the
+    consuming kernel, a status (hot, no-op, patched, unsupported, gathered,
+    fixed-upstream) and the reason. Writes nothing.
+
+    With NEW_PATH or --against REF: the upgrade audit (old -> new).
+
+    \b
+    Example:  kvpatch audit ~/sglang --sarif -o kvpatch.sarif
+    Exit: 0 no unpatched hot site, 1 hot sites remain, 2 error.
+    """
+    if as_json and as_sarif:
+        raise click.UsageError("--json and --sarif exclude each other")
+    select = _split(rules)
+    rule_objs = _check_rules(select, out)
+    root = _root(path, out)
+    if new_path or against:
+        from kvpatch import upgrade
+
+        sys.exit(upgrade.cli_audit(out, root, new_path, against, as_json, as_sarif, output, select, jobs))
+    from kvpatch import report
+    from kvpatch.engine import scan_tree
+
+    scan = scan_tree(root, select, jobs, out.progress())
+    if as_json:
+        text = report.to_json(scan)
+    elif as_sarif:
+        text = report.to_sarif(scan, rule_objs)
+    else:
+        plain = lambda t, **k: t  # noqa: E731 - no colour in files
+        text = report.render_table(scan, plain if output else out.style, out.verbose)
+    if output:
+        Path(output).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    elif text:
+        out.echo(text.rstrip("\n"))
+    for e in scan.all_errors:
+        out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
+    out.info(report.summary_line("audit", scan))
+    sys.exit(report.audit_exit_code(scan))
+
+
+# -- apply -------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.option("-n", "--dry-run", is_flag=True, help="Print the exact diff and counts; write nothing.")
+@click.option("--allow-dirty", is_flag=True, help="Patch a git tree that has uncommitted changes.")
+@click.option("--no-commit", is_flag=True, help="Write the files only: no kvpatch/<...> branch, no commit.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
+@_rules_opt
+@click.pass_obj
+def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
+    """Rewrite every fixable site under PATH (all files or none).
+
+    In a git checkout: refuses a dirty tree, then makes a branch
+    kvpatch/v<version>-<sha> with one commit listing the sites. Injects the
+    runtime module (_kvpatch_runtime.py) next to each patched backend and
+    records .kvpatch/state.json. A second apply changes nothing.
+
+    \b
+    Example:  kvpatch apply --dry-run ~/sglang | less -R
+    Exit: 0 applied or nothing to do, 2 error or refused.
+    """
+    from kvpatch import patch as P
+
+    select = _split(rules)
+    _check_rules(select, out)
+    root = _root(path, out)
+    if root.is_file():
+        out.error(f"{path}: apply works on a checkout directory (audit also takes a single file)")
+        sys.exit(EXIT_ERROR)
+    t0 = time.perf_counter()
+    try:
+        built = P.build(root, select, jobs, out.progress())
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback
+        out.error(f"{exc}")
+        sys.exit(EXIT_ERROR)
+    errors = built.scan.all_errors + built.refused
+    if dry_run:
+        diff = built.diff(color=out.color_out)
+        if diff:
+            out.echo(diff.rstrip("\n"))
+        _apply_counts(out, built, written=False)
+        for e in errors:
+            out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
+        out.info(f"kvpatch apply --dry-run: {len(built.rewrites)} file(s) would change, "
+                 f"{len(built.runtimes)} runtime file(s) written; nothing written; {time.perf_counter() - t0:.2f}s")
+        sys.exit(EXIT_ERROR if errors else EXIT_OK)
+    try:
+        res = P.apply(root, allow_dirty=allow_dirty, no_commit=no_commit, patch=built)
+    except P.PatchError as exc:
+        out.error(str(exc))
+        sys.exit(EXIT_ERROR)
+    except Exception as exc:  # noqa: BLE001
+        out.error(f"apply failed, nothing was changed: {exc}")
+        sys.exit(EXIT_ERROR)
+    except KeyboardInterrupt:
+        out.error("interrupted: every file was rolled back")
+        sys.exit(130)
+    if res.notice:
+        out.info(res.notice)
+    if not res.written:
+        out.echo("nothing to do: every fixable site is already patched")
+    else:
+        _apply_counts(out, built, written=True)
+        if res.branch:
+            out.echo(f"branch {res.branch}, commit {res.commit[:12]}")
+    for e in errors:
+        out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
+    out.info(f"kvpatch apply: {len(res.written)} file(s) written; {time.perf_counter() - t0:.2f}s")
+    sys.exit(EXIT_ERROR if errors else EXIT_OK)
+
+
+def _apply_counts(out: Out, built, written: bool) -> None:
+    verb = "rewritten" if written else "would be rewritten"
+    out.echo(f"files changed: {len(built.rewrites)}; sites {verb}: {built.sites_rewritten}; "
+             f"plan calls retargeted: {built.plans_rewritten}; runtime files: {len(built.runtimes)}")
+    skipped = built.skipped()
+    if skipped:
+        out.echo(f"sites skipped: {len(skipped)}")
+        for s in skipped:
+            out.echo(f"  {s.file}:{s.line} {s.qualname} [{s.status}]: {s.reason}")
+    for e in built.refused:
+        out.echo(f"  refused {e.file}: {e.message}")
+
+
+# -- revert / recover ----------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.option("--force", is_flag=True, help="Restore even files edited since apply (edits kept in *.kvpatch-drifted).")
+@click.option("--no-commit", is_flag=True, help="Restore the files only; no git commit.")
+@click.option("--allow-dirty", is_flag=True, help="Revert in a git tree with other uncommitted changes.")
+@click.pass_obj
+def revert(out: Out, path, force, no_commit, allow_dirty):
+    """Restore the original bytes of every file kvpatch apply changed.
+
+    Removes the injected runtime and .kvpatch/, and (in git) commits the
+    revert. Also rolls back an interrupted apply.
+
+    \b
+    Example:  kvpatch revert ~/sglang
+    Exit: 0 restored, 2 error (no record, drift without --force).
+    """
+    from kvpatch import patch as P
+
+    root = _root(path, out)
+    try:
+        res = P.revert(root, force=force, no_commit=no_commit, allow_dirty=allow_dirty)
+    except P.PatchError as exc:
+        out.error(str(exc))
+        sys.exit(EXIT_ERROR)
+    if res.notice:
+        out.info(res.notice)
+    out.echo(f"restored {len(res.restored)} file(s), removed {len(res.removed)} runtime file(s)"
+             + (f"; commit {res.commit[:12]}" if res.commit else ""))
+    sys.exit(EXIT_OK)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.pass_obj
+def recover(out: Out, path):
+    """Roll back an apply or revert that was killed half-way.
+
+    \b
+    Example:  kvpatch recover ~/sglang
+    Exit: 0 rolled back or nothing to do.
+    """
+    from kvpatch import write
+
+    root = _root(path, out).resolve()
+    if write.pending(root) is None:
+        out.echo("nothing to recover")
+        sys.exit(EXIT_OK)
+    restored = write.rollback(root)
+    out.echo(f"rolled back {len(restored)} file(s): " + ", ".join(restored))
+    sys.exit(EXIT_OK)
+
+
+# -- status --------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="JSON output (schema kvpatch.status/1).")
+@click.pass_obj
+def status(out: Out, path, as_json):
+    """Say whether PATH is not patched, patched, partly patched or drifted.
+
+    \b
+    Example:  kvpatch status ~/sglang
+    Exit: 0 patched (or nothing to patch), 1 not/partly patched, 2 error,
+          3 drifted (a patched region was edited), 4 interrupted apply.
+    """
+    import json
+
+    from kvpatch import status as S
+
+    root = _root(path, out)
+    try:
+        st = S.status(root)
+    except ValueError as exc:
+        out.error(str(exc))
+        sys.exit(EXIT_ERROR)
+    if as_json:
+        out.echo(json.dumps(st.to_dict(), indent=2))
+    else:
+        out.echo(f"{out.style(st.state, bold=True)}: {st.detail}" if st.detail else st.state)
+        for p in st.places:
+            out.echo(f"  {p.file}{':' + str(p.line) if p.line else ''}: {p.what}")
+    sys.exit(st.exit_code)
+
+
+# -- rules -------------------------------------------------------------------
+@main.command(name="rules", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def rules_cmd(out: Out, as_json):
+    """List the rules, what each finds or rewrites, and where it was checked.
+
+    \b
+    Example:  kvpatch rules
+    """
+    import json
+
+    from kvpatch.rule import load_rules
+
+    rs = load_rules()
+    if as_json:
+        out.echo(json.dumps([{"id": r.ID, "name": r.NAME, "kind": r.KIND, "summary": r.SUMMARY,
+                              "fixes": r.fixes, "checked_on": list(r.CHECKED_ON),
+                              "examples": {"valid": len(r.VALID), "invalid": len(r.INVALID)}} for r in rs],
+                            indent=2))
+        sys.exit(EXIT_OK)
+    for r in rs:
+        kind = "rewrites" if r.fixes else "reports"
+        out.echo(f"{out.style(r.ID, bold=True)}  {r.NAME}  ({r.KIND}, {kind})")
+        out.echo(f"        {r.SUMMARY}")
+        out.echo(f"        examples: {len(r.VALID)} valid, {len(r.INVALID)} invalid; "
+                 f"checked on {len(r.CHECKED_ON)} SGLang commits")
+    sys.exit(EXIT_OK)
+
+
+# -- verify ------------------------------------------------------------------
+@main.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.option("--mode", type=click.Choice(["both", "gather", "native"]), default="both", show_default=True,
+              help="Which runtime modes to check.")
+@click.option("--cpu", is_flag=True, help="Run the CPU reference check only (no GPU needed); exit 0 if it passes.")
+@click.option("--no-graph", is_flag=True, help="Skip the CUDA-graph decode cases.")
+@click.option("--quick", is_flag=True, help="Fewer, smaller cases.")
+@click.option("--json", "as_json", is_flag=True, help="JSON report.")
+@click.pass_obj
+def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
+    """Check that the patched checkout computes the same attention.
+
+    Loads PATH's own patched FlashInfer MLA backend and its original (from
+    .kvpatch/originals or git), runs forward_decode and the paged
+    forward_extend of both on the same random FP8 pool, eager and under a
+    CUDA graph, and compares: bit-identical for the gathered cast, within
+    tolerance for native FP8. Needs torch (pip install 'kvpatch[verify]').
+
+    \b
+    Example:  kvpatch verify ~/sglang --mode gather
+    Exit: 0 pass, 1 mismatch, 2 error, 3 no GPU (CPU check passed; use --cpu to accept it).
+    """
+    import json
+
+    root = _root(path, out).resolve()
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        out.error("verify needs torch: pip install 'kvpatch[verify]'")
+        sys.exit(EXIT_ERROR)
+    from kvpatch.verify import run_verify
+
+    modes = ("gather", "native") if mode == "both" else (mode,)
+    try:
+        rep = run_verify(root, modes=modes, device="cpu" if cpu else "auto", graph=not no_graph, quick=quick,
+                         log=None if out.quiet else out.info)
+    except Exception as exc:  # noqa: BLE001
+        out.error(f"verify could not run: {exc}")
+        sys.exit(EXIT_ERROR)
+    if as_json:
+        out.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        out.echo(rep.render() if hasattr(rep, "render") else str(rep))
+    if not rep.ok:
+        sys.exit(EXIT_ACTION)
+    if not cpu and not rep.gpu_ran:
+        out.info(f"no GPU check: {rep.reason}")
+        sys.exit(EXIT_NO_GPU)
+    sys.exit(EXIT_OK)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,104 @@
+"""discover: which files of a tree could hold a site.
+
+A byte-level prefilter over every ``.py`` file. It must never miss a file that
+holds a site (every site spells one of the markers below), and it keeps the
+expensive parsers away from the ~99% of SGLang that cannot match.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+# A KV-buffer read, or a site kvpatch already rewrote ...
+MARKERS = re.compile(rb"get_(?:key|value|kv)_buffer|get_mla_kv_buffer|_kvpatch_runtime|kv_for_kernel"
+                     rb"|plan_kv_dtype")
+# ... or an MLA plan call, which only matters in a file using the MLA wrapper.
+MLA_WRAPPER = re.compile(rb"BatchMLAPagedAttentionWrapper")
+PLAN = re.compile(rb"\.plan\b|fast_mla_decode_plan")
+
+
+def is_candidate(data: bytes) -> bool:
+    return bool(MARKERS.search(data) or (MLA_WRAPPER.search(data) and PLAN.search(data)))
+
+# Never descended into: VCS data, caches, our own state, virtualenvs.
+SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".kvpatch", ".tox", ".nox",
+             ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
+
+
+@dataclass
+class SourceFile:
+    """A file read once: its path relative to the root and its raw bytes."""
+
+    rel: str
+    path: Path
+    data: bytes
+    is_symlink: bool = False
+
+
+@dataclass
+class ReadError:
+    rel: str
+    message: str
+
+
+def iter_python_paths(root: Path) -> Iterator[Path]:
+    """Every ``*.py`` under root, in a stable order, not following dir symlinks."""
+    if root.is_file():
+        yield root
+        return
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            continue
+        subdirs = []
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                if e.name not in SKIP_DIRS:
+                    subdirs.append(Path(e.path))
+            elif e.name.endswith(".py"):
+                yield Path(e.path)
+        stack.extend(reversed(subdirs))
+
+
+def rel_path(root: Path, path: Path) -> str:
+    if root.is_file():
+        return path.name
+    return path.relative_to(root).as_posix()
+
+
+def read_candidate(root: Path, path: Path):
+    """Return a SourceFile if the file could hold a site, None if it cannot,
+    or a ReadError if it cannot be read."""
+    rel = rel_path(root, path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return ReadError(rel, f"cannot read: {exc.strerror or exc}")
+    if not is_candidate(data):
+        return None
+    return SourceFile(rel, path, data, path.is_symlink())
+
+
+def looks_like_sglang(root: Path) -> Optional[str]:
+    """None if root looks like an SGLang checkout (or part of one), else why not."""
+    if root.is_file():
+        return None
+    for probe in ("python/sglang", "sglang", "srt"):
+        if (root / probe).is_dir():
+            return None
+    if (root / "__init__.py").exists() or any(root.glob("*.py")):
+        return None
+    return ("no python/sglang/ (or sglang/, srt/) directory and no .py files at the top: "
+            "expected an SGLang checkout, or a directory inside one")
+
+
+def chunk(items: List, n: int) -> List[List]:
+    """Split into n interleaved chunks, so big and small files spread evenly."""
+    return [items[i::n] for i in range(n)] if n > 1 else [items]

@@ -1,0 +1,358 @@
+"""engine: run the rules over a file, and over a tree.
+
+discover (bytes) -> locate (ast) -> parse units (libcst) -> find candidates ->
+classify -> rules decide -> Site / PlanCall records (+ edits for apply).
+``scan_tree`` spreads files over worker processes; only plain records cross
+the process boundary, so ``apply`` re-analyses the few files it rewrites.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import time
+import tokenize
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import libcst as cst
+import libcst.matchers as m
+
+from kvpatch import discover
+from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
+from kvpatch.classify import prove_noop
+from kvpatch.locate import MLA_PLAN_ARITY, MLA_PLAN_KEYWORDS, locate
+from kvpatch.match import POOL_GETTERS, FileContext, UnitContext
+from kvpatch.rule import Decision, Rule, load_rules
+from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
+                           backend_name, path_kind)
+from kvpatch.units import ParsedUnit, UnitParseError, parse_unit, split_lines
+
+FALLBACK_RULE = "KVP201"
+
+
+@dataclass
+class Decided:
+    """A candidate with the decision taken for it (kept for apply)."""
+
+    record: object  # Site | PlanCall
+    decision: Optional[Decision]
+    rule: Optional[Rule]
+
+
+@dataclass
+class FileAnalysis:
+    rel: str
+    text: str = ""
+    lines: List[str] = field(default_factory=list)
+    encoding: str = "utf-8"
+    bom: bool = False
+    sites: List[Site] = field(default_factory=list)
+    plans: List[PlanCall] = field(default_factory=list)
+    errors: List[FileError] = field(default_factory=list)
+    decided: List[Decided] = field(default_factory=list)
+    units: Dict[str, ParsedUnit] = field(default_factory=dict)
+    import_after_line: int = 0
+    has_runtime_import: bool = False
+    first_stmt_docstring_end: int = 0
+
+    @property
+    def fixable(self) -> bool:
+        return any(d.decision is not None and d.decision.fixable for d in self.decided)
+
+    def records(self) -> "FileRecords":
+        return FileRecords(self.rel, self.sites, self.plans, self.errors, self.fixable)
+
+
+@dataclass
+class FileRecords:
+    """What crosses process boundaries."""
+
+    rel: str
+    sites: List[Site]
+    plans: List[PlanCall]
+    errors: List[FileError]
+    fixable: bool
+
+
+# -- decoding --------------------------------------------------------------
+def decode(data: bytes) -> Tuple[str, str, bool]:
+    """(text, encoding, had_bom); raises UnicodeDecodeError / SyntaxError."""
+    enc, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    bom = enc == "utf-8-sig"
+    return data.decode(enc), ("utf-8" if bom else enc), bom
+
+
+def encode(text: str, encoding: str, bom: bool) -> bytes:
+    data = text.encode(encoding)
+    return (b"\xef\xbb\xbf" + data) if bom else data
+
+
+# -- per file --------------------------------------------------------------
+class _Calls(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.calls: List[cst.Call] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        self.calls.append(node)
+
+
+def _is_mla_plan(call: cst.Call) -> bool:
+    if not m.matches(call.func, m.Attribute(attr=m.Name("plan"))):
+        return False
+    kws = {a.keyword.value for a in call.args if a.keyword is not None}
+    if kws & MLA_PLAN_KEYWORDS:
+        return True
+    if any(a.star for a in call.args):
+        return False
+    pos = [a for a in call.args if a.keyword is None]
+    return len(pos) + len(kws) >= MLA_PLAN_ARITY and len(pos) >= 8
+
+
+def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:
+    fa = FileAnalysis(rel)
+    try:
+        fa.text, fa.encoding, fa.bom = decode(data)
+    except (UnicodeDecodeError, SyntaxError, LookupError) as exc:
+        fa.errors.append(FileError(rel, f"not decodable as Python source ({exc.__class__.__name__}: {exc})"))
+        return fa
+    try:
+        tree = ast.parse(fa.text)
+    except SyntaxError as exc:
+        fa.errors.append(FileError(rel, f"does not parse: {exc.msg}", exc.lineno))
+        return fa
+    except ValueError as exc:  # e.g. null bytes
+        fa.errors.append(FileError(rel, f"does not parse: {exc}"))
+        return fa
+    fa.lines = split_lines(fa.text)
+    loc = locate(tree)
+    fa.import_after_line = loc.module.import_after_line
+    fa.has_runtime_import = loc.module.runtime_alias is not None
+    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(getattr(tree.body[0], "value", None), ast.Constant) \
+            and isinstance(tree.body[0].value.value, str):
+        fa.first_stmt_docstring_end = tree.body[0].end_lineno or 0
+    if not loc.units:
+        return fa
+    for u in loc.units:
+        try:
+            fa.units[u.qualname] = parse_unit(fa.lines, u)
+        except UnitParseError as exc:
+            fa.errors.append(FileError(rel, f"cannot analyse {exc}", u.start))
+    file_ctx = FileContext(rel, loc.module, loc.classes, fa.units, fa.lines)
+    cast_rules = [r for r in rules if r.KIND == "cast" and r.ID != FALLBACK_RULE]
+    fallback = next((r for r in rules if r.ID == FALLBACK_RULE), None)
+    plan_rules = [r for r in rules if r.KIND == "plan"]
+    for pu in fa.units.values():
+        if not pu.unit.why & {"kvbuf", "patched", "plan"}:
+            continue
+        ctx = UnitContext(pu, file_ctx)
+        _analyze_unit(fa, ctx, cast_rules, fallback, plan_rules)
+    fa.sites.sort(key=lambda s: (s.line, s.column))
+    fa.plans.sort(key=lambda p: p.line)
+    return fa
+
+
+def _site(ctx: UnitContext, node: cst.CSTNode, *, buffer: str, dtype: str, form: str, kernel: str,
+          status: str, reason: str, rule: Optional[str], fixable=False, notes=()) -> Site:
+    return Site(
+        file=ctx.file.rel, line=ctx.line(node), end_line=ctx.end_line(node), column=ctx.column(node),
+        qualname=ctx.unit.qualname, path=path_kind(ctx.unit.qualname), backend=backend_name(ctx.file.rel),
+        buffer=buffer, dtype=dtype, form=form, kernel=kernel, status=status, reason=reason, rule=rule,
+        fixable=fixable, statement=ctx.code(ctx.line_statement(node)), notes=list(notes),
+    )
+
+
+def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan_rules) -> None:
+    from kvpatch.rules.fi_mla_pool_cast import is_mla_run
+    from kvpatch.rules.kv_pool_cast import consumer_names
+
+    v = _Calls()
+    ctx.func.visit(v)
+    for call in v.calls:
+        func = call.func
+        # -- a site kvpatch already rewrote --------------------------------
+        if isinstance(func, cst.Attribute) and func.attr.value == "kv_for_kernel" and len(call.args) >= 3:
+            consumers = ctx.consumers(call)
+            fa.sites.append(_site(
+                ctx, call, buffer=ctx.code(call.args[0].value), dtype=ctx.code(call.args[2].value),
+                form="patched", kernel=consumer_names(consumers, ctx), status=PATCHED,
+                reason="kvpatch's page-gathered cast (kv_for_kernel) is in place", rule="KVP101"))
+            continue
+        # -- MLA plan calls ----------------------------------------------------
+        plan: Optional[PlanCandidate] = None
+        if _is_mla_plan(call):
+            args = bind_plan_args(call)
+            if args is not None:
+                kw = any(a.keyword is not None and a.keyword.value in ("q_data_type", "kv_data_type")
+                         for a in call.args)
+                plan = PlanCandidate(call, func.value, "keyword" if kw else "positional", args)
+        elif m.matches(func, m.Name("fast_mla_decode_plan")):
+            plan = PlanCandidate(call, None, "function", bind_plan_args(call, skip_first=True) or {})
+        if plan is not None:
+            _decide_plan(fa, ctx, plan, plan_rules)
+            continue
+        # -- casts of a KV buffer ------------------------------------------------
+        form = ctx.cast_form(call)
+        if form is not None:
+            receiver = func.value
+            origin = ctx.origin(receiver)
+            if origin.kind is None:
+                continue
+            consumers = ctx.consumers(call)
+            cand = CastCandidate(call, receiver, form, origin, consumers)
+            _decide_cast(fa, ctx, cand, cast_rules, fallback)
+            continue
+        # -- the FP8 pool handed to an MLA kernel without a cast ---------------
+        if m.matches(func, m.Attribute(attr=m.OneOf(*[m.Name(g) for g in POOL_GETTERS]))) \
+                and ctx.file.module.uses_mla_wrapper:
+            runs = [c for c in ctx.consumers(call) if is_mla_run(c)]
+            if runs:
+                fa.sites.append(_site(
+                    ctx, call, buffer=ctx.code(call), dtype="(none)", form="direct",
+                    kernel=consumer_names(runs, ctx), status=FIXED_UPSTREAM,
+                    reason="the FP8 pool reaches the MLA kernel without a cast (native FP8, fixed upstream)",
+                    rule=FALLBACK_RULE))
+
+
+def _cast_form_name(cand: CastCandidate, ctx: UnitContext) -> str:
+    if cand.origin.via_names:
+        return "two-statement"
+    par = ctx.parent(cand.call)
+    if isinstance(par, (cst.Assign, cst.AnnAssign)):
+        return "assignment"
+    return "inline"
+
+
+def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_rules, fallback) -> None:
+    from kvpatch.rules.kv_pool_cast import consumer_names
+
+    decision: Optional[Decision] = None
+    rule: Optional[Rule] = None
+    if cand.origin.kind == "pool":
+        verdict = prove_noop(cand.form, ctx)
+        if verdict.noop:
+            decision, rule = Decision(NOOP, verdict.reason), fallback
+        else:
+            cand.guard_note = verdict.reason
+            for r in cast_rules:
+                decision = r.decide(cand, ctx)
+                if decision is not None:
+                    rule = r
+                    break
+    if decision is None and fallback is not None:
+        decision, rule = fallback.decide(cand, ctx), fallback
+    if decision is None:
+        decision = Decision(HOT, "full-pool cast; no selected rule handles it")
+    buffer = cand.origin.getters[0] if cand.origin.getters else cand.receiver
+    site = _site(
+        ctx, cand.call, buffer=ctx.code(buffer), dtype=ctx.code(cand.form.dtype) if cand.form.dtype is not None
+        else f".{cand.form.method}()", form=_cast_form_name(cand, ctx),
+        kernel=consumer_names(cand.consumers, ctx), status=decision.status, reason=decision.reason,
+        rule=rule.ID if rule else None, fixable=decision.fixable, notes=decision.notes)
+    fa.sites.append(site)
+    fa.decided.append(Decided(site, decision, rule))
+
+
+def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_rules) -> None:
+    decision: Optional[Decision] = None
+    rule: Optional[Rule] = None
+    for r in plan_rules:
+        decision = r.decide(cand, ctx)
+        if decision is not None:
+            rule = r
+            break
+
+    def code(name):
+        a = cand.arg(name)
+        return ctx.code(a.value) if a is not None else None
+
+    from kvpatch.sites import PLAN_UNSUPPORTED
+
+    if decision is None:
+        decision = Decision(PLAN_UNSUPPORTED, "no selected rule handles MLA plan calls")
+    rec = PlanCall(
+        file=ctx.file.rel, line=ctx.line(cand.call), qualname=ctx.unit.qualname,
+        receiver=ctx.code(cand.receiver) if cand.receiver is not None else
+        (ctx.code(cand.call.args[0].value) if cand.call.args else "?"),
+        form=cand.form, q_dtype=code("q_data_type"), kv_dtype=code("kv_data_type"),
+        page_size=code("page_size"), causal=code("causal"), status=decision.status,
+        reason=decision.reason, rule=rule.ID if rule else None, fixable=decision.fixable,
+        statement=ctx.code(ctx.line_statement(cand.call)),
+    )
+    fa.plans.append(rec)
+    fa.decided.append(Decided(rec, decision, rule))
+
+
+# -- a whole tree ----------------------------------------------------------
+@dataclass
+class ScanResult:
+    root: Path
+    files_scanned: int
+    candidates: int
+    files: List[FileRecords]
+    errors: List[FileError]
+    seconds: float
+
+    @property
+    def sites(self) -> List[Site]:
+        return [s for f in self.files for s in f.sites]
+
+    @property
+    def plans(self) -> List[PlanCall]:
+        return [p for f in self.files for p in f.plans]
+
+    @property
+    def all_errors(self) -> List[FileError]:
+        return self.errors + [e for f in self.files for e in f.errors]
+
+
+def _scan_chunk(args) -> Tuple[int, List[FileRecords], List[FileError]]:
+    root, paths, select = args
+    rules = load_rules(select)
+    out: List[FileRecords] = []
+    errs: List[FileError] = []
+    for p in paths:
+        got = discover.read_candidate(root, p)
+        if got is None:
+            continue
+        if isinstance(got, discover.ReadError):
+            errs.append(FileError(got.rel, got.message))
+            continue
+        out.append(analyze_source(got.rel, got.data, rules).records())
+    return len(paths), out, errs
+
+
+def scan_tree(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
+              progress: Optional[Callable[[int, int], None]] = None) -> ScanResult:
+    t0 = time.perf_counter()
+    root = root.resolve()
+    paths = list(discover.iter_python_paths(root))
+    load_rules(select)  # fail fast on an unknown rule name
+    jobs = jobs or min(2, os.cpu_count() or 1)
+    if len(paths) < 200:
+        jobs = 1  # a small tree costs less than a worker start
+    chunks = discover.chunk(paths, jobs * 4 if jobs > 1 else 1)
+    files: List[FileRecords] = []
+    errors: List[FileError] = []
+    done = 0
+    if jobs == 1:
+        results = map(_scan_chunk, [(root, c, select) for c in chunks])
+        executor = None
+    else:
+        executor = ProcessPoolExecutor(max_workers=jobs)
+        results = executor.map(_scan_chunk, [(root, c, select) for c in chunks])
+    try:
+        for n, recs, errs in results:
+            done += n
+            files += recs
+            errors += errs
+            if progress:
+                progress(done, len(paths))
+    finally:
+        if executor is not None:
+            executor.shutdown()
+    files.sort(key=lambda f: f.rel)
+    return ScanResult(root, len(paths), len(files), files, errors, time.perf_counter() - t0)

@@ -1,0 +1,236 @@
+"""locate: which functions of a candidate file need the full (libcst) analysis.
+
+Python's C ``ast`` parser is ~20x faster than libcst with metadata, so it picks
+the functions that touch a KV buffer or an MLA plan, and gathers the few
+class- and module-level facts the rules need. libcst then parses only those
+functions (see ``units``). Nothing here decides what a site *is*.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+KV_GETTERS = {"get_key_buffer", "get_value_buffer", "get_kv_buffer", "get_mla_kv_buffer"}
+RUNTIME_CALLS = {"kv_for_kernel", "plan_kv_dtype", "run_kwargs"}
+MLA_WRAPPER = "BatchMLAPagedAttentionWrapper"
+# FlashInfer's MLA plan takes 12 required arguments; its other wrappers' plans
+# take fewer, or none of these MLA-only keywords.
+MLA_PLAN_KEYWORDS = {"head_dim_ckv", "head_dim_kpe", "kv_len_arr"}
+MLA_PLAN_ARITY = 12
+
+
+@dataclass
+class Unit:
+    """A top-level function or a method: the region libcst parses on its own."""
+
+    qualname: str
+    class_qualname: Optional[str]
+    name: str
+    start: int  # first line, 1-based, decorators included
+    end: int  # last line, inclusive
+    first_param: Optional[str]
+    why: Set[str] = field(default_factory=set)
+
+
+@dataclass
+class ClassFacts:
+    qualname: str
+    self_attrs: Set[str] = field(default_factory=set)
+    init: Optional[Unit] = None
+    init_params: List[str] = field(default_factory=list)
+    init_annotations: Dict[str, str] = field(default_factory=dict)
+    has_mla_plan: bool = False
+
+
+@dataclass
+class ModuleFacts:
+    uses_mla_wrapper: bool = False
+    runtime_alias: Optional[str] = None  # the name our runtime import binds
+    import_after_line: int = 0  # our import goes after this line (0: top)
+    first_line_is_future_or_doc: bool = False
+
+
+@dataclass
+class Located:
+    units: List[Unit]
+    classes: Dict[str, ClassFacts]
+    module: ModuleFacts
+
+
+def is_mla_plan_call(node: ast.Call) -> bool:
+    if not (isinstance(node.func, ast.Attribute) and node.func.attr == "plan"):
+        return False
+    kws = {k.arg for k in node.keywords if k.arg}
+    if kws & MLA_PLAN_KEYWORDS:
+        return True
+    has_star = any(isinstance(a, ast.Starred) for a in node.args) or any(
+        k.arg is None for k in node.keywords
+    )
+    return not has_star and len(node.args) + len(kws) >= MLA_PLAN_ARITY and len(node.args) >= 8
+
+
+def _call_name(node: ast.Call) -> Optional[str]:
+    f = node.func
+    if isinstance(f, ast.Attribute):
+        return f.attr
+    if isinstance(f, ast.Name):
+        return f.id
+    return None
+
+
+CAST_CALLS = {"to", "float", "half", "bfloat16", "double", "type"}
+
+
+def _names_in(node: ast.AST) -> Set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _has_getter(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Call) and _call_name(n) in KV_GETTERS for n in ast.walk(node))
+
+
+def _tainted(fn: ast.AST) -> Set[str]:
+    """Names that may hold (a view of) a KV buffer: flow-insensitive, so it
+    over-approximates the libcst analysis and never drops a real site."""
+    pairs = []
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Assign):
+            pairs += [(t, n.value) for t in n.targets]
+        elif isinstance(n, (ast.AnnAssign, ast.AugAssign)) and n.value is not None:
+            pairs.append((n.target, n.value))
+        elif isinstance(n, (ast.For, ast.AsyncFor)):
+            pairs.append((n.target, n.iter))
+        elif isinstance(n, ast.NamedExpr):
+            pairs.append((n.target, n.value))
+    tainted: Set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for target, value in pairs:
+            if _has_getter(value) or _names_in(value) & tainted:
+                new = _names_in(target) - tainted
+                if new:
+                    tainted |= new
+                    changed = True
+    return tainted
+
+
+def _why(fn: ast.AST, uses_mla_wrapper: bool) -> Set[str]:
+    why: Set[str] = set()
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+    if any(_call_name(n) in KV_GETTERS for n in calls):
+        tainted = _tainted(fn)
+        for n in calls:
+            name = _call_name(n)
+            if isinstance(n.func, ast.Attribute) and (
+                (name in CAST_CALLS and (_has_getter(n.func.value) or _names_in(n.func.value) & tainted))
+                or (name == "run" and uses_mla_wrapper
+                    and any(_has_getter(a) or _names_in(a) & tainted
+                            for a in list(n.args) + [k.value for k in n.keywords]))
+            ):
+                why.add("kvbuf")
+                break
+    for n in calls:
+        name = _call_name(n)
+        if name in RUNTIME_CALLS:
+            why.add("patched")
+        elif uses_mla_wrapper and (name == "fast_mla_decode_plan" or (name == "plan" and is_mla_plan_call(n))):
+            why.add("plan")
+    return why
+
+
+def _self_attrs(fn: ast.AST, self_name: str) -> Set[str]:
+    attrs: Set[str] = set()
+    for n in ast.walk(fn):
+        targets: List[ast.AST] = []
+        if isinstance(n, ast.Assign):
+            targets = n.targets
+        elif isinstance(n, (ast.AnnAssign, ast.AugAssign)):
+            targets = [n.target]
+        for t in targets:
+            for e in ast.walk(t):
+                if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
+                        and e.value.id == self_name):
+                    attrs.add(e.attr)
+    return attrs
+
+
+def _first_line(node) -> int:
+    decs = getattr(node, "decorator_list", None) or []
+    return min([node.lineno] + [d.lineno for d in decs])
+
+
+def locate(tree: ast.Module) -> Located:
+    units: List[Unit] = []
+    classes: Dict[str, ClassFacts] = {}
+    mod = ModuleFacts()
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and n.id == MLA_WRAPPER:
+            mod.uses_mla_wrapper = True
+        elif isinstance(n, ast.Attribute) and n.attr == MLA_WRAPPER:
+            mod.uses_mla_wrapper = True
+        elif isinstance(n, ast.alias) and (n.name == MLA_WRAPPER or n.name.endswith("." + MLA_WRAPPER)):
+            mod.uses_mla_wrapper = True
+        elif isinstance(n, ast.ImportFrom) and any(a.name == "_kvpatch_runtime" for a in n.names):
+            a = next(a for a in n.names if a.name == "_kvpatch_runtime")
+            mod.runtime_alias = a.asname or a.name
+
+    # Our import goes after the last top-level import that precedes the first
+    # def/class: below `from __future__` and the module's own imports.
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            break
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            mod.import_after_line = stmt.end_lineno or stmt.lineno
+
+    def visit_body(body, class_chain: Tuple[str, ...]):
+        for stmt in body:
+            if isinstance(stmt, ast.ClassDef):
+                chain = class_chain + (stmt.name,)
+                cq = ".".join(chain)
+                facts = classes.setdefault(cq, ClassFacts(cq))
+                visit_body(stmt.body, chain)
+            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                cq = ".".join(class_chain) if class_chain else None
+                args = stmt.args.posonlyargs + stmt.args.args
+                first = args[0].arg if args else None
+                unit = Unit(
+                    qualname=(cq + "." if cq else "") + stmt.name,
+                    class_qualname=cq,
+                    name=stmt.name,
+                    start=_first_line(stmt),
+                    end=stmt.end_lineno or stmt.lineno,
+                    first_param=first,
+                    why=_why(stmt, mod.uses_mla_wrapper),
+                )
+                if cq:
+                    facts = classes[cq]
+                    if first:
+                        facts.self_attrs |= _self_attrs(stmt, first)
+                    if "plan" in unit.why:
+                        facts.has_mla_plan = True
+                    if stmt.name == "__init__":
+                        facts.init = unit
+                        facts.init_params = [a.arg for a in args[1:] + stmt.args.kwonlyargs]
+                        facts.init_annotations = {
+                            a.arg: ast.unparse(a.annotation)
+                            for a in args[1:] + stmt.args.kwonlyargs
+                            if a.annotation is not None
+                        }
+                units.append(unit)
+            elif isinstance(stmt, (ast.If, ast.Try, ast.With)) and not class_chain:
+                # Definitions under `if TYPE_CHECKING:`/try-import at module level.
+                for sub in ("body", "orelse", "finalbody"):
+                    visit_body(getattr(stmt, sub, []) or [], class_chain)
+                for h in getattr(stmt, "handlers", []) or []:
+                    visit_body(h.body, class_chain)
+
+    visit_body(tree.body, ())
+
+    for facts in classes.values():
+        if facts.has_mla_plan and facts.init is not None:
+            facts.init.why.add("init")
+    return Located([u for u in units if u.why], classes, mod)

@@ -1,0 +1,365 @@
+"""patch: audit -> plan -> rewrite -> write, for `apply`, `revert` and `status`.
+
+`build` computes everything `apply` would do without touching the disk (that
+is `--dry-run`); `apply` writes it through ``write.apply_writes`` (all files or
+none) and records ``.kvpatch/state.json``; `revert` restores the recorded
+originals byte for byte; `status` compares the checkout with its record.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from kvpatch import RULESET_VERSION, __version__, checkout, write
+from kvpatch.engine import ScanResult, analyze_source, scan_tree
+from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
+from kvpatch.rule import load_rules
+from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version
+from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError
+from kvpatch.state import (ORIGINALS, STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord,
+                           State, load, sha256)
+
+
+class PatchError(Exception):
+    """A refusal with a one-line reason (exit code 2)."""
+
+
+@dataclass
+class RuntimeWrite:
+    rel: str
+    data: bytes
+    old: Optional[bytes]  # None: a new file
+
+
+@dataclass
+class Patch:
+    root: Path
+    scan: ScanResult
+    rewrites: List[FileRewrite] = field(default_factory=list)
+    runtimes: List[RuntimeWrite] = field(default_factory=list)
+    refused: List[FileError] = field(default_factory=list)  # files whose rewrite was dropped
+
+    @property
+    def sites_rewritten(self) -> int:
+        return sum(len(r.sites) for r in self.rewrites)
+
+    @property
+    def plans_rewritten(self) -> int:
+        return sum(len(r.plans) for r in self.rewrites)
+
+    def skipped(self) -> List:
+        """Sites that stay as they are and need action, with their reasons."""
+        done = {id(s) for r in self.rewrites for s in r.sites}
+        keys = {(s.file, s.line) for r in self.rewrites for s in r.sites}
+        return [s for s in self.scan.sites if s.status in NEEDS_ACTION and (s.file, s.line) not in keys
+                and id(s) not in done]
+
+    @property
+    def empty(self) -> bool:
+        return not self.rewrites and not self.runtimes
+
+    def diff(self, color: bool = False) -> str:
+        chunks = []
+        for r in self.rewrites:
+            chunks.append(_udiff(r.rel, r.old_text, r.new_text))
+        for rt in self.runtimes:
+            old = rt.old.decode("utf-8") if rt.old is not None else None
+            chunks.append(_udiff(rt.rel, old, rt.data.decode("utf-8")))
+        text = "".join(chunks)
+        return colorize_diff(text) if color else text
+
+
+def _udiff(rel: str, old: Optional[str], new: str) -> str:
+    a = "/dev/null" if old is None else f"a/{rel}"
+    lines = difflib.unified_diff((old or "").splitlines(True), new.splitlines(True), a, f"b/{rel}")
+    out = []
+    for ln in lines:
+        out.append(ln if ln.endswith("\n") else ln + "\n\\ No newline at end of file\n")
+    return "".join(out)
+
+
+def colorize_diff(text: str) -> str:
+    import click
+
+    out = []
+    for ln in text.splitlines(True):
+        if ln.startswith(("+++", "---")):
+            out.append(click.style(ln, bold=True))
+        elif ln.startswith("@@"):
+            out.append(click.style(ln, fg="cyan"))
+        elif ln.startswith("+"):
+            out.append(click.style(ln, fg="green"))
+        elif ln.startswith("-"):
+            out.append(click.style(ln, fg="red"))
+        else:
+            out.append(ln)
+    return "".join(out)
+
+
+def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
+          progress: Optional[Callable[[int, int], None]] = None) -> Patch:
+    rules = load_rules(select)
+    scan = scan_tree(root, select, jobs, progress)
+    patch = Patch(scan.root, scan)
+    runtime_text = runtime_source().encode("utf-8")
+    runtime_dirs: Dict[str, None] = {}
+    for f in scan.files:
+        if not f.fixable:
+            continue
+        path = scan.root / f.rel
+        if path.is_symlink():
+            patch.refused.append(FileError(f.rel, "is a symbolic link: not rewritten (patch the link's target)"))
+            continue
+        try:
+            fa = analyze_source(f.rel, path.read_bytes(), rules)
+            rw = plan_rewrite(fa, rules)
+        except RewriteError as exc:
+            patch.refused.append(FileError(f.rel, str(exc)))
+            continue
+        except OSError as exc:
+            patch.refused.append(FileError(f.rel, f"cannot read: {exc}"))
+            continue
+        if rw is None or not rw.changed:
+            continue
+        patch.rewrites.append(rw)
+        if rw.needs_runtime:
+            runtime_dirs[str(PurePosixPath(f.rel).parent)] = None
+    # Files already patched keep their runtime in step with this kvpatch.
+    for f in scan.files:
+        if any(s.status == PATCHED for s in f.sites) or any(p.status == PLAN_PATCHED for p in f.plans):
+            runtime_dirs[str(PurePosixPath(f.rel).parent)] = None
+    for d in runtime_dirs:
+        rel = RUNTIME_FILENAME if d in ("", ".") else f"{d}/{RUNTIME_FILENAME}"
+        p = scan.root / rel
+        old = p.read_bytes() if p.exists() else None
+        if old != runtime_text:
+            patch.runtimes.append(RuntimeWrite(rel, runtime_text, old))
+    return patch
+
+
+# -- apply ---------------------------------------------------------------------
+@dataclass
+class ApplyResult:
+    patch: Patch
+    written: List[str]
+    branch: Optional[str]
+    commit: Optional[str]
+    git: bool
+    notice: str = ""
+
+
+def _site_records(rw: FileRewrite) -> List[SiteRecord]:
+    """Pair each rewritten statement with its statement in the new file."""
+    rules = load_rules()
+    after = analyze_source(rw.rel, rw.new_bytes, rules)
+    out = []
+    new_sites = [s for s in after.sites if s.status == PATCHED]
+    for old in rw.sites:
+        match = next((s for s in new_sites if s.qualname == old.qualname), None)
+        if match is not None:
+            new_sites.remove(match)
+        out.append(SiteRecord(old.qualname, old.rule or "", "cast", match.line if match else old.line,
+                              old.statement, match.statement if match else ""))
+    new_plans = [p for p in after.plans if p.status == PLAN_PATCHED]
+    for old in rw.plans:
+        match = next((p for p in new_plans if p.qualname == old.qualname), None)
+        if match is not None:
+            new_plans.remove(match)
+        out.append(SiteRecord(old.qualname, old.rule or "", "plan", match.line if match else old.line,
+                              old.statement, match.statement if match else ""))
+    return out
+
+
+def commit_message(patch: Patch) -> str:
+    lines = [f"kvpatch: page-gathered FP8 KV cast ({patch.sites_rewritten} sites, "
+             f"{patch.plans_rewritten} plan calls)", "",
+             "Rewritten by kvpatch " + __version__ + " (ruleset " + RULESET_VERSION + "):"]
+    for r in patch.rewrites:
+        for s in r.sites:
+            lines.append(f"- {s.file}:{s.line} {s.qualname} [{s.path}] {s.rule}: {s.buffer}.to({s.dtype})")
+        for p in r.plans:
+            lines.append(f"- {p.file}:{p.line} {p.qualname} {p.rule}: plan kv dtype {p.kv_dtype}")
+    for rt in patch.runtimes:
+        lines.append(f"- {rt.rel}: kvpatch runtime {runtime_version()}" + (" (updated)" if rt.old else ""))
+    return "\n".join(lines) + "\n"
+
+
+def apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=None, progress=None,
+          patch: Optional[Patch] = None) -> ApplyResult:
+    root = root.resolve()
+    recovered = write.rollback(root) if write.pending(root) else []
+    info = checkout.git_info(root)
+    if info is not None and not allow_dirty:
+        dirty = [p for p in checkout.dirty_paths(info, root) if not p.startswith(STATE_DIR)]
+        if dirty:
+            raise PatchError(f"the git tree has uncommitted changes ({', '.join(dirty[:3])}"
+                             f"{'...' if len(dirty) > 3 else ''}): commit or stash them, or pass --allow-dirty")
+    patch = patch or build(root, select, jobs, progress)
+    if patch.empty:
+        return ApplyResult(patch, [], None, None, info is not None,
+                           "nothing to do" + (f" (rolled back an interrupted write: {', '.join(recovered)})"
+                                              if recovered else ""))
+    if info is not None and allow_dirty and not no_commit:
+        touched = {info.rel_to_repo(root, r.rel) for r in patch.rewrites}
+        both = sorted(touched & set(checkout.dirty_paths(info, root)))
+        if both:
+            raise PatchError(f"{both[0]} has uncommitted changes that the kvpatch commit would include: "
+                             f"commit them first, or pass --no-commit")
+
+    old_state = load(root)
+    writes, state = _apply_writes(root, patch, info, old_state)
+    branch = commit_sha = None
+    notice = ""
+    if info is None:
+        notice = "not a git checkout: files written in place, no branch or commit"
+    elif no_commit:
+        notice = "--no-commit: files written in place, no branch or commit"
+
+    def finish():
+        nonlocal branch, commit_sha
+        if info is None or no_commit:
+            return
+        orig_branch = info.branch
+        branch = checkout.branch_name(info, root)
+        checkout.create_branch(info, branch)
+        try:
+            paths = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None]
+            commit_sha = checkout.commit(info, paths, [], commit_message(patch))
+        except BaseException:
+            checkout.restore_branch(info, orig_branch, branch)
+            branch = None
+            raise
+
+    write.apply_writes(root, writes, "apply", before_finish=finish)
+    return ApplyResult(patch, [w.rel for w in writes], branch, commit_sha, info is not None, notice)
+
+
+def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) -> Tuple[List[write.FileWrite], State]:
+    writes: List[write.FileWrite] = []
+    prior = {f.path: f for f in old_state.files} if old_state else {}
+    files: Dict[str, FileRecord] = dict(prior)
+    for rw in patch.rewrites:
+        copy = f"{STATE_DIR}/{ORIGINALS}/{rw.rel}"
+        rec_prior = prior.get(rw.rel)
+        original = (root / rec_prior.original_copy).read_bytes() if rec_prior else (root / rw.rel).read_bytes()
+        if rec_prior is None:
+            writes.append(write.FileWrite(copy, original))
+        files[rw.rel] = FileRecord(rw.rel, sha256(original), sha256(rw.new_bytes), copy,
+                                   (rec_prior.sites if rec_prior else []) + _site_records(rw))
+        writes.append(write.FileWrite(rw.rel, rw.new_bytes))
+    runtimes = {r.path: r for r in (old_state.runtime_files if old_state else [])}
+    for rt in patch.runtimes:
+        rec = runtimes.get(rt.rel)
+        if rec is None:
+            rec = RuntimeRecord(rt.rel, sha256(rt.data), rt.old is None)
+            if rt.old is not None:
+                rec.original_copy = f"{STATE_DIR}/{ORIGINALS}/{rt.rel}"
+                writes.append(write.FileWrite(rec.original_copy, rt.old))
+        rec.sha256 = sha256(rt.data)
+        runtimes[rt.rel] = rec
+        writes.append(write.FileWrite(rt.rel, rt.data))
+    upstream = old_state.upstream if old_state else {
+        "commit": info.commit if info else None,
+        "branch": info.branch if info else None,
+        "sglang_version": checkout.sglang_version(root),
+    }
+    state = State(
+        kvpatch_version=__version__, ruleset_version=RULESET_VERSION, runtime_version=runtime_version(),
+        applied_at=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        upstream=upstream, branch=None, files=sorted(files.values(), key=lambda f: f.path),
+        runtime_files=sorted(runtimes.values(), key=lambda r: r.path),
+    )
+    writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", state.to_json().encode("utf-8")))
+    return writes, state
+
+
+# -- revert --------------------------------------------------------------------
+@dataclass
+class RevertResult:
+    restored: List[str]
+    removed: List[str]
+    commit: Optional[str]
+    git: bool
+    notice: str = ""
+
+
+def revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> RevertResult:
+    root = root.resolve()
+    if write.pending(root):
+        restored = write.rollback(root)
+        return RevertResult(restored, [], None, checkout.git_info(root) is not None,
+                            "rolled back an interrupted kvpatch write")
+    st = load(root)
+    if st is None:
+        raise PatchError(f"{root} has no {STATE_DIR}/{STATE_FILE}: it was not patched by kvpatch apply "
+                         f"(or the record was removed)")
+    info = checkout.git_info(root)
+    if info is not None and not allow_dirty and not no_commit:
+        tracked = {info.rel_to_repo(root, f.path) for f in st.files}
+        dirty = sorted(set(checkout.dirty_paths(info, root)) - tracked)
+        if dirty:
+            raise PatchError(f"the git tree has uncommitted changes ({dirty[0]}...): commit or stash them, "
+                             f"or pass --allow-dirty / --no-commit")
+    writes: List[write.FileWrite] = []
+    restored, removed = [], []
+    for f in st.files:
+        p = root / f.path
+        cur = p.read_bytes() if p.exists() else None
+        orig = (root / f.original_copy).read_bytes()
+        if sha256(orig) != f.original_sha256:
+            raise PatchError(f"{f.original_copy}: the recorded original was modified; refusing to restore it")
+        if cur is not None and sha256(cur) not in (f.patched_sha256, f.original_sha256) and not force:
+            raise PatchError(f"{f.path} was edited since apply (drift): `kvpatch status` shows where; "
+                             f"pass --force to restore the original anyway (your edits are kept in "
+                             f"{f.path}.kvpatch-drifted)")
+        if cur is not None and sha256(cur) not in (f.patched_sha256, f.original_sha256):
+            writes.append(write.FileWrite(f.path + ".kvpatch-drifted", cur))
+        if cur != orig:
+            writes.append(write.FileWrite(f.path, orig))
+            restored.append(f.path)
+        writes.append(write.FileWrite(f.original_copy, None))
+    for r in st.runtime_files:
+        p = root / r.path
+        if r.created:
+            if p.exists():
+                writes.append(write.FileWrite(r.path, None))
+                removed.append(r.path)
+        elif r.original_copy:
+            writes.append(write.FileWrite(r.path, (root / r.original_copy).read_bytes()))
+            writes.append(write.FileWrite(r.original_copy, None))
+            restored.append(r.path)
+    writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", None))
+    commit_sha = None
+    notice = "" if info is not None else "not a git checkout: files restored in place, no commit"
+    if info is not None and no_commit:
+        notice = "--no-commit: files restored in place, no commit"
+
+    def finish():
+        nonlocal commit_sha
+        _prune_empty(root / STATE_DIR)
+        if info is None or no_commit:
+            return
+        tracked = set(info.repo.git.ls_files().splitlines())
+        add = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None]
+        rm = [info.rel_to_repo(root, w.rel) for w in writes if w.data is None]
+        rm = [p for p in rm if p in tracked]
+        commit_sha = checkout.commit(info, add, rm, f"kvpatch: revert ({len(restored)} files restored, "
+                                                    f"{len(removed)} runtime files removed)\n")
+
+    write.apply_writes(root, writes, "revert", before_finish=finish)
+    _prune_empty(root / STATE_DIR)
+    return RevertResult(restored, removed, commit_sha, info is not None, notice)
+
+
+def _prune_empty(d: Path) -> None:
+    if not d.is_dir():
+        return
+    for sub in sorted(d.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if sub.is_dir() and not any(sub.iterdir()) and sub.name != write.TXN_DIR:
+            sub.rmdir()
+    if d.exists() and not any(d.iterdir()):
+        d.rmdir()

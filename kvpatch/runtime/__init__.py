@@ -1,0 +1,32 @@
+"""The runtime module kvpatch injects into a patched checkout.
+
+``kvpatch_runtime.py`` is shipped as a source file, never imported by kvpatch
+itself (it needs torch). ``apply`` copies it next to each patched backend as
+``_kvpatch_runtime.py``, stamped with the kvpatch version that wrote it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvpatch import __version__
+
+RUNTIME_FILENAME = "_kvpatch_runtime.py"
+_TEMPLATE = Path(__file__).with_name("kvpatch_runtime.py")
+_STAMP = re.compile(r'^__kvpatch_version__ = "[^"]*"$', re.M)
+_VERSION = re.compile(r'^__kvpatch_runtime_version__ = "([^"]*)"$', re.M)
+
+
+def runtime_source() -> str:
+    text = _TEMPLATE.read_text(encoding="utf-8")
+    stamped, n = _STAMP.subn(f'__kvpatch_version__ = "{__version__}"', text, count=1)
+    if n != 1:
+        raise RuntimeError(f"{_TEMPLATE} has no __kvpatch_version__ line to stamp")
+    return stamped
+
+
+def runtime_version(text: str = "") -> str:
+    """The __kvpatch_runtime_version__ of a runtime source (ours by default)."""
+    m = _VERSION.search(text or _TEMPLATE.read_text(encoding="utf-8"))
+    return m.group(1) if m else "unknown"

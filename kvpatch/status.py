@@ -1,0 +1,103 @@
+"""status: is a checkout not patched, patched, partly patched, drifted, or
+left half-written by an interrupted apply? Answered from the state record,
+the files' hashes and a fresh scan; no git needed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+from kvpatch import write
+from kvpatch.engine import scan_tree
+from kvpatch.report import EXIT_ACTION, EXIT_DRIFT, EXIT_INTERRUPTED, EXIT_OK
+from kvpatch.runtime import runtime_version
+from kvpatch.sites import NEEDS_ACTION, PLAN_REWRITE
+from kvpatch.state import load, sha256
+
+NOT_PATCHED = "not patched"
+PATCHED = "patched"
+PARTLY = "partly patched"
+DRIFTED = "drifted"
+INTERRUPTED = "interrupted"
+NOTHING = "nothing to patch"
+
+
+@dataclass
+class Place:
+    file: str
+    what: str
+    line: Optional[int] = None
+
+
+@dataclass
+class Status:
+    state: str
+    places: List[Place] = field(default_factory=list)
+    detail: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return {PATCHED: EXIT_OK, NOTHING: EXIT_OK, NOT_PATCHED: EXIT_ACTION, PARTLY: EXIT_ACTION,
+                DRIFTED: EXIT_DRIFT, INTERRUPTED: EXIT_INTERRUPTED}[self.state]
+
+    def to_dict(self):
+        return {"schema": "kvpatch.status/1", "state": self.state, "detail": self.detail,
+                "exit_code": self.exit_code, "places": [asdict(p) for p in self.places]}
+
+
+def status(root: Path, select=None) -> Status:
+    root = root.resolve()
+    j = write.pending(root)
+    if j is not None:
+        files = [f["rel"] for f in j.get("files", [])]
+        return Status(INTERRUPTED, [Place(f, "listed in the interrupted write's journal") for f in files],
+                      f"an interrupted `kvpatch {j.get('op', '?')}` left {len(files)} file(s) in an unknown state; "
+                      f"`kvpatch recover` (or the next apply/revert) rolls them back")
+    st = load(root)
+    scan = scan_tree(root, select)
+    fixable = [s for s in scan.sites if s.fixable] + [p for p in scan.plans if p.status == PLAN_REWRITE]
+    if st is None:
+        if fixable:
+            return Status(NOT_PATCHED, [Place(r.file, f"{r.qualname}: {r.status}", r.line) for r in fixable],
+                          f"{len(fixable)} site(s) and plan call(s) that apply would rewrite")
+        hot = [s for s in scan.sites if s.status in NEEDS_ACTION]
+        if hot:
+            return Status(NOT_PATCHED, [Place(s.file, f"{s.qualname}: {s.status}", s.line) for s in hot],
+                          "hot sites that no rule rewrites")
+        return Status(NOTHING, [], "no site that kvpatch rewrites")
+
+    drift: List[Place] = []
+    missing: List[Place] = []
+    for f in st.files:
+        p = root / f.path
+        if not p.exists():
+            missing.append(Place(f.path, "patched file is gone"))
+            continue
+        cur = p.read_bytes()
+        h = sha256(cur)
+        if h == f.patched_sha256:
+            continue
+        if h == f.original_sha256:
+            missing.append(Place(f.path, "back to the original bytes (patch removed by hand)"))
+            continue
+        text = cur.decode("utf-8", errors="replace")
+        for s in f.sites:
+            if s.rewritten and s.rewritten not in text:
+                drift.append(Place(f.path, f"{s.qualname}: the rewritten {s.kind} was edited "
+                                           f"(expected `{s.rewritten.splitlines()[0].strip()}`)", s.line))
+    for r in st.runtime_files:
+        p = root / r.path
+        if not p.exists():
+            missing.append(Place(r.path, "runtime module is missing"))
+        elif sha256(p.read_bytes()) != r.sha256:
+            drift.append(Place(r.path, "runtime module was edited or replaced"))
+    if drift:
+        return Status(DRIFTED, drift + missing, "patched regions were edited since apply")
+    if missing or fixable:
+        return Status(PARTLY, missing + [Place(x.file, f"{x.qualname}: not rewritten yet", x.line) for x in fixable],
+                      "some recorded rewrites are gone or new sites appeared; `kvpatch apply` completes it")
+    detail = f"kvpatch {st.kvpatch_version}, ruleset {st.ruleset_version}, runtime {st.runtime_version}"
+    if st.runtime_version != runtime_version():
+        detail += f" (this kvpatch ships runtime {runtime_version()}: apply updates it)"
+    return Status(PATCHED, [], detail)

@@ -1,0 +1,179 @@
+"""KVP102 flashinfer-mla-plan-kv-dtype: plan the kv dtype the kernel will read.
+
+A FlashInfer MLA `plan()` fixes the kernel's kv dtype. After KVP101 the kernel
+reads either the gathered bf16 rows or the FP8 pool itself, so the plan's kv
+dtype argument (positional 11, or `kv_data_type=`) becomes
+`_kvpatch_rt.plan_kv_dtype(wrapper, q_dtype, kv_dtype, kv_cache_dtype, causal)`:
+FP8 where the native kernel is selected, the original value otherwise. Only
+that argument changes (the decode plans pass `self.data_type` as both q and kv
+dtype: the attribute itself must stay). The model's KV-cache dtype is taken in
+the class's `__init__` from `model_runner.kv_cache_dtype`.
+`fast_mla_decode_plan` is reported but left alone: it ignores the dtypes (the
+capture-time plan chose the kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import libcst as cst
+
+from kvpatch.candidates import PlanCandidate
+from kvpatch.codegen import RUNTIME_ALIAS, call_text, parse_expr
+from kvpatch.match import UnitContext, simple_expr
+from kvpatch.rule import Decision, InsertStatement, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
+from kvpatch.sites import PLAN_IGNORED, PLAN_PATCHED, PLAN_REWRITE, PLAN_UNSUPPORTED
+from kvpatch.units import leading_ws
+
+KV_CACHE_ATTR = "_kvpatch_kv_cache_dtype"
+HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
+RT = f"from . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
+
+
+def is_runtime_call(e: cst.BaseExpression, fn: str) -> bool:
+    return isinstance(e, cst.Call) and isinstance(e.func, cst.Attribute) and e.func.attr.value == fn
+
+
+def _model_runner_param(facts) -> Optional[str]:
+    if facts is None or facts.init is None:
+        return None
+    if "model_runner" in facts.init_params:
+        return "model_runner"
+    for name, ann in facts.init_annotations.items():
+        if "ModelRunner" in ann:
+            return name
+    return None
+
+
+class FlashInferMlaPlanKvDtype(Rule):
+    ID = "KVP102"
+    NAME = "flashinfer-mla-plan-kv-dtype"
+    SUMMARY = "FlashInfer MLA plan(): kv dtype argument -> the runtime's choice (FP8 when native)"
+    KIND = "plan"
+    PRIORITY = 10
+    CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
+                  "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
+                  "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
+
+    VALID = (
+        Valid(
+            HEADER + """
+def replay(wrapper, qo, kvp, kvi, kvl, h, ckv, kpe, sm_scale, dt):
+    fast_mla_decode_plan(wrapper, qo, kvp, kvi, kvl, h, ckv, kpe, 1, False, sm_scale, dt, dt)
+""",
+            why="fast_mla_decode_plan ignores its dtypes",
+        ),
+        Valid(
+            """
+class Updater:
+    def call_begin_forward(self, wrapper, qo_indptr, kv_indptr, kv_indices, last_page_len):
+        wrapper.plan(kv_indptr, kv_indices, last_page_len, 8, 8, 128, 1, q_data_type=self.q_data_type, kv_data_type=self.data_type)
+""",
+            why="a non-MLA FlashInfer decode plan (7 positional arguments, no MLA keywords)",
+        ),
+    )
+
+    INVALID = (
+        Invalid(
+            HEADER + """
+class FlashInferMLAIndicesUpdaterDecode:
+    def __init__(self, model_runner, attn_backend):
+        self.data_type = model_runner.dtype
+        self.attn_backend = attn_backend
+
+    def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
+        wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 128, 512, 64, 1, False, sm_scale, self.data_type, self.data_type)
+""",
+            expected=HEADER + RT + """
+class FlashInferMLAIndicesUpdaterDecode:
+    def __init__(self, model_runner, attn_backend):
+        self.data_type = model_runner.dtype
+        self._kvpatch_kv_cache_dtype = getattr(model_runner, "kv_cache_dtype", None)
+        self.attn_backend = attn_backend
+
+    def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
+        wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 128, 512, 64, 1, False, sm_scale, self.data_type, _kvpatch_rt.plan_kv_dtype(wrapper, self.data_type, self.data_type, self._kvpatch_kv_cache_dtype, False))
+""",
+            status="rewrite",
+            why="positional decode plan: only argument 11 changes",
+        ),
+    )
+
+    def decide(self, cand: PlanCandidate, ctx: UnitContext) -> Optional[Decision]:
+        if cand.form == "function":
+            return Decision(PLAN_IGNORED, "fast_mla_decode_plan ignores the dtypes: the capture-time plan "
+                                          "chose the kernel")
+        kv, q, causal = cand.arg("kv_data_type"), cand.arg("q_data_type"), cand.arg("causal")
+        if kv is None or q is None or causal is None:
+            missing = [n for n, a in (("kv_data_type", kv), ("q_data_type", q), ("causal", causal)) if a is None]
+            return Decision(PLAN_UNSUPPORTED, f"no {', '.join(missing)} argument")
+        if is_runtime_call(kv.value, "plan_kv_dtype"):
+            return Decision(PLAN_PATCHED, "kv dtype chosen by the kvpatch runtime")
+        if not ctx.file.module.uses_mla_wrapper:
+            return Decision(PLAN_UNSUPPORTED, "no BatchMLAPagedAttentionWrapper in this file: not known to be an "
+                                              "MLA wrapper")
+        for what, node in (("wrapper", cand.receiver), ("q dtype", q.value), ("kv dtype", kv.value),
+                           ("causal", causal.value)):
+            if node is None or not (simple_expr(node) or isinstance(node, cst.Name)):
+                return Decision(PLAN_UNSUPPORTED, f"the {what} argument `{ctx.code(node) if node else '?'}` is not a "
+                                                  f"plain name or attribute: it would be evaluated twice")
+        self_name = ctx.unit.first_param
+        facts = ctx.class_facts
+        runner = _model_runner_param(facts)
+        if not self_name or runner is None:
+            cls = ctx.unit.class_qualname or "the enclosing scope"
+            return Decision(PLAN_UNSUPPORTED, f"cannot find the model's KV-cache dtype: `{cls}.__init__` has no "
+                                              f"model_runner parameter")
+        init = ctx.file.units.get(facts.init.qualname)
+        if init is None:
+            return Decision(PLAN_UNSUPPORTED, f"`{facts.init.qualname}` could not be parsed on its own")
+
+        init_self = facts.init.first_param or "self"
+        anchor = self._anchor(init.func, init_self, {q.value, kv.value})
+        insert = InsertStatement(
+            facts.init.qualname, anchor,
+            f'{init_self}.{KV_CACHE_ATTR} = getattr({runner}, "kv_cache_dtype", None)',
+            unless_assigned=KV_CACHE_ATTR,
+        )
+        args = [ctx.code(cand.receiver), ctx.code(q.value), ctx.code(kv.value), f"{self_name}.{KV_CACHE_ATTR}",
+                ctx.code(causal.value)]
+        line_text = ctx.file.lines[ctx.line(kv) - 1]
+        column = ctx.column(kv.value)
+        if line_text[:column].strip() == "":
+            # One argument per line already: lay the new call out the same way.
+            indent = leading_ws(line_text)
+            unit = "\t" if indent.startswith("\t") else "    "
+            text = call_text(f"{RUNTIME_ALIAS}.plan_kv_dtype", [(a, None) for a in args], indent, unit, column)
+        else:
+            text = f"{RUNTIME_ALIAS}.plan_kv_dtype({', '.join(args)})"
+
+        def build(updated: cst.Arg) -> cst.Arg:
+            if is_runtime_call(updated.value, "plan_kv_dtype"):
+                return updated
+            return updated.with_changes(value=parse_expr(text))
+
+        return Decision(
+            PLAN_REWRITE,
+            f"kv dtype fixed to `{ctx.code(kv.value)}`: retargeted to the runtime's choice (float8_e4m3fn where "
+            f"the native FP8 kernel is selected, else unchanged)",
+            [ReplaceNode(ctx.unit.qualname, kv, build), insert, NeedRuntime()],
+        )
+
+    @staticmethod
+    def _anchor(init: cst.FunctionDef, self_name: str, dtype_nodes) -> Optional[cst.CSTNode]:
+        """The last top-level `self.<attr> = ...` of __init__ for an attr the
+        plan's dtype arguments read; None: append at the end."""
+        attrs = {n.attr.value for n in dtype_nodes if isinstance(n, cst.Attribute)
+                 and isinstance(n.value, cst.Name) and n.value.value == self_name}
+        anchor = None
+        body = init.body.body if isinstance(init.body, cst.IndentedBlock) else ()
+        for stmt in body:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, (cst.Assign, cst.AnnAssign)):
+                        targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
+                        for t in targets:
+                            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) \
+                                    and t.value.value == self_name and t.attr.value in attrs:
+                                anchor = stmt
+        return anchor

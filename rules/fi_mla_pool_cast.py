@@ -1,0 +1,219 @@
+"""KVP101 flashinfer-mla-pool-cast: page-gathered cast for FlashInfer MLA.
+
+`buf = pool.get_key_buffer(layer_id).to(q.dtype)` feeding a
+`BatchMLAPagedAttentionWrapper.run()` casts every slot of the layer's pool,
+though the kernel reads only the planned `kv_indices`. The cast becomes
+`_kvpatch_rt.kv_for_kernel(pool, wrapper, q.dtype, kv_indptr=...)`, which
+casts just those rows (or hands the FP8 pool straight to a wrapper planned
+for FP8), and the `run()` gets `**_kvpatch_rt.run_kwargs(wrapper)`, the FP8
+scales FlashInfer needs exactly when it was planned for FP8.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import libcst as cst
+
+from kvpatch.candidates import CastCandidate
+from kvpatch.codegen import (RUNTIME_ALIAS, append_star_kwargs, call_text, comments_in,
+                             has_star_kwargs_call, parse_expr)
+from kvpatch.dataflow import loads_in
+from kvpatch.match import Consumer, UnitContext
+from kvpatch.rule import Decision, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
+from kvpatch.sites import HOT, UNSUPPORTED
+from kvpatch.units import leading_ws
+
+HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
+RT = f"from . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
+
+
+def is_mla_run(c: Consumer) -> bool:
+    """The buffer reaches a wrapper's run() as ckv_cache or kpe_cache."""
+    return (
+        c.kind == "call"
+        and c.call is not None
+        and isinstance(c.call.func, cst.Attribute)
+        and c.call.func.attr.value == "run"
+        and (c.arg_index in (2, 3) or c.keyword in ("ckv_cache", "kpe_cache"))
+    )
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+class FlashInferMlaPoolCast(Rule):
+    ID = "KVP101"
+    NAME = "flashinfer-mla-pool-cast"
+    SUMMARY = "FlashInfer MLA full-pool KV cast -> page-gathered cast (or native FP8)"
+    KIND = "cast"
+    PRIORITY = 10
+    CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
+                  "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
+                  "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
+
+    VALID = (
+        Valid(
+            HEADER + """
+class B:
+    def forward_decode(self, q_nope, q_rope, layer, forward_batch):
+        w = self.forward_metadata.decode_wrapper
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        rows = kv[forward_batch.kv_indices].to(q_nope.dtype)
+        return w.run(q_nope, q_rope, rows[..., :512], rows[..., 512:])
+""",
+            why="already gathered before the cast",
+        ),
+        Valid(
+            HEADER + """
+class B:
+    def forward_decode(self, q_nope, q_rope, layer, forward_batch):
+        w = self.forward_metadata.decode_wrapper
+        k = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        return w.run(q_nope, q_rope, k[:, :, :512], k[:, :, 512:], ckv_scale=1.0, kpe_scale=1.0)
+""",
+            why="fixed upstream: the FP8 pool goes to the kernel without a cast",
+        ),
+    )
+
+    INVALID = (
+        Invalid(
+            HEADER + """
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        o = decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], out=None)
+        return o
+""",
+            expected=HEADER + RT + """
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = _kvpatch_rt.kv_for_kernel(
+            forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            decode_wrapper,
+            q.dtype,
+        )
+        o = decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], out=None, **_kvpatch_rt.run_kwargs(decode_wrapper))
+        return o
+""",
+            why="decode, one line, forward_batch receiver (2025)",
+        ),
+    )
+
+    def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
+        runs = [c for c in cand.consumers if is_mla_run(c)]
+        if not runs or not ctx.file.module.uses_mla_wrapper:
+            return None  # not a FlashInfer MLA consumer: not this rule's
+        others = [c for c in cand.consumers if not is_mla_run(c)]
+        if others:
+            from kvpatch.rules.kv_pool_cast import consumer_names
+
+            return Decision(UNSUPPORTED, f"the cast also reaches {consumer_names(others, ctx)}; only a "
+                                         f"wrapper's run() is known to read just the planned rows")
+        if cand.form.kind != "to" or not cand.form.simple:
+            return Decision(UNSUPPORTED, f"`{ctx.code(cand.call)}`: only `.to(dtype)` casts are rewritten")
+        nested = ctx.in_nested_scope(cand.call)
+        if nested:
+            return Decision(UNSUPPORTED, f"the cast sits inside {nested}")
+        wrappers = {ctx.code(c.call.func.value) for c in runs}
+        if len(wrappers) != 1:
+            return Decision(UNSUPPORTED, f"the cast feeds several wrappers ({', '.join(sorted(wrappers))})")
+        w_node = runs[0].call.func.value
+        problem = self._wrapper_not_ready(w_node, runs, cand, ctx)
+        if problem:
+            return Decision(UNSUPPORTED, problem)
+
+        w_code = ctx.code(w_node)
+        facts = ctx.class_facts
+        self_name = ctx.unit.first_param
+        kv_indptr = f"{self_name}.kv_indptr" if facts and self_name and "kv_indptr" in facts.self_attrs else None
+        edits: List = [ReplaceNode(ctx.unit.qualname, cand.call, self._cast_builder(cand, ctx, w_code, kv_indptr)),
+                       NeedRuntime()]
+        kw_value = f"{RUNTIME_ALIAS}.run_kwargs({w_code})"
+        for c in runs:
+            edits.append(ReplaceNode(ctx.unit.qualname, c.call, _run_builder(kw_value)))
+        notes = self._sibling_notes(runs, cand, ctx)
+        return Decision(
+            HOT,
+            f"full-pool cast; `{w_code}.run()` reads only the planned kv_indices rows: rewritten to a "
+            f"page-gathered cast (native FP8 where the plan selects it)",
+            edits,
+            notes,
+        )
+
+    # -- checks ----------------------------------------------------------
+    @staticmethod
+    def _wrapper_not_ready(w_node, runs, cand: CastCandidate, ctx: UnitContext) -> str:
+        """The wrapper expression must mean the same at the cast as at run()."""
+        cast_stmt = ctx.statement_of(cand.call)
+        for name in loads_in(w_node):
+            at_run = set(d.id for d in ctx.flow.defs_of(name))
+            at_cast = set(d.id for d in ctx.flow.defs_at(cast_stmt, name.value))
+            if not at_cast:
+                bound = [d for d in ctx.flow.defs if d.name == name.value and d.stmt is not None]
+                where = f" (line {ctx.line(bound[0].stmt)})" if bound else ""
+                return f"the wrapper `{ctx.code(w_node)}` is bound after the cast{where}"
+            if at_run != at_cast:
+                return f"`{name.value}` is rebound between the cast and `{ctx.code(w_node)}.run()`"
+        return ""
+
+    @staticmethod
+    def _sibling_notes(runs, cand: CastCandidate, ctx: UnitContext) -> List[str]:
+        """Other buffers reaching the same run() (e.g. the DCP branch): kept as is."""
+        notes = []
+        for c in runs:
+            arg = c.call.args[c.arg_index] if c.arg_index is not None else None
+            if arg is None:
+                continue
+            for name in loads_in(arg.value):
+                for d in ctx.flow.defs_of(name):
+                    if d.value is not None and not _inside(d.value, cand.call) and d.kind == "assign" \
+                            and ctx.origin(d.value).kind != "pool":
+                        text = f"`{name.value}` may also be `{ctx.code(d.value)}` (line {ctx.line(d.stmt)}): " \
+                               f"not pool-wide, left as is"
+                        if text not in notes:
+                            notes.append(text)
+        return notes
+
+    # -- builders ----------------------------------------------------------
+    @staticmethod
+    def _cast_builder(cand: CastCandidate, ctx: UnitContext, w_code: str, kv_indptr: Optional[str]):
+        stmt = ctx.line_statement(cand.call)
+        indent = leading_ws(ctx.file.lines[ctx.line(stmt) - 1])
+        unit = "\t" if indent.startswith("\t") else "    "
+        column = ctx.column(cand.call)
+        multiline = ctx.line(cand.call) != ctx.end_line(cand.call)
+        comments = comments_in(cand.call, exclude=[cand.receiver, cand.form.dtype_arg.value])
+        comment = "  ".join(comments) or None
+
+        def build(updated: cst.Call) -> cst.BaseExpression:
+            receiver = updated.func.value
+            dtype_arg = next(a for a in updated.args if a.value is not None and (
+                (cand.form.dtype_arg.keyword is None and a.keyword is None)
+                or (a.keyword is not None and a.keyword.value == "dtype")))
+            args = [(_code(receiver).strip(), None), (w_code, None), (_code(dtype_arg.value).strip(), comment)]
+            if kv_indptr:
+                args.append((f"kv_indptr={kv_indptr}", None))
+            text = call_text(f"{RUNTIME_ALIAS}.kv_for_kernel", args, indent, unit, column,
+                             force_explode=multiline or comment is not None)
+            return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
+
+        return build
+
+
+def _run_builder(kw_value: str):
+    def build(updated: cst.Call) -> cst.Call:
+        if has_star_kwargs_call(updated, "run_kwargs"):
+            return updated
+        return append_star_kwargs(updated, parse_expr(kw_value))
+
+    return build
+
+
+def _inside(root: cst.CSTNode, node: cst.CSTNode) -> bool:
+    from kvpatch.match import _contains
+
+    return _contains(root, node)

@@ -1,0 +1,186 @@
+"""KVP201 kv-pool-cast: report every cast of a KV-cache buffer.
+
+The catch-all: it decides each KV-buffer cast that no fixing rule rewrote, so
+that every `.to(` of a KV buffer shows up in `audit` with a status and a
+reason: hot (a whole layer pool is cast; which consumer, and what a rewrite
+would need), unsupported (the data flow hides what the kernel reads),
+gathered (only indexed rows are cast), or fixed-upstream.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import libcst as cst
+
+from kvpatch.candidates import CastCandidate
+from kvpatch.match import Consumer, UnitContext
+from kvpatch.rule import Decision, Invalid, Rule, Valid
+from kvpatch.sites import FIXED_UPSTREAM, GATHERED, HOT, UNSUPPORTED
+
+PAGED_KEYWORDS = ("page_table", "block_table", "block_tables", "page_table_tensor")
+
+
+def describe(c: Consumer, ctx: UnitContext) -> str:
+    if c.kind in ("call", "method") and c.call is not None:
+        return f"`{ctx.code(c.call.func)}`"
+    if c.kind == "return":
+        return f"a `return` (line {ctx.line(c.node)})"
+    if c.kind == "yield":
+        return f"a `yield` (line {ctx.line(c.node)})"
+    if c.kind == "store":
+        return f"an attribute or item store (line {ctx.line(c.node)})"
+    return f"`{ctx.code(c.node)}` (line {ctx.line(c.node)})"
+
+
+def consumer_names(consumers: List[Consumer], ctx: UnitContext) -> str:
+    seen = []
+    for c in consumers:
+        d = describe(c, ctx)
+        if d not in seen:
+            seen.append(d)
+    return ", ".join(seen) if seen else "nothing"
+
+
+def paged_keyword(c: Consumer) -> str:
+    if c.call is None:
+        return ""
+    for a in c.call.args:
+        if a.keyword is not None and a.keyword.value in PAGED_KEYWORDS:
+            return a.keyword.value
+    return ""
+
+
+class KvPoolCast(Rule):
+    ID = "KVP201"
+    NAME = "kv-pool-cast"
+    SUMMARY = "Every cast of a KV-cache buffer, with its status and the reason"
+    KIND = "cast"
+    PRIORITY = 90
+    CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
+                  "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
+                  "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
+
+    VALID = (
+        Valid(
+            """
+def forward_decode(self, q, layer, forward_batch):
+    kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    rows = kv[forward_batch.kv_indices].to(q.dtype)
+    return self.kernel(q, rows)
+""",
+            why="gathered before the cast: only the indexed rows are cast",
+        ),
+        Valid(
+            """
+def forward_decode(self, q, layer, forward_batch):
+    kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    q = q.to(kv_cache.dtype)
+    kv = kv_cache.to(q.dtype)
+    return self.kernel(q, kv[forward_batch.kv_indices])
+""",
+            why="q is cast to the pool dtype on every path first: the pool cast is a no-op",
+        ),
+        Valid(
+            """
+def forward_extend(self, q, layer, forward_batch):
+    # k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+    k_buf = forward_batch.attn_dcp_metadata.dcp_kv_buffer.to(q.dtype)
+    return self.kernel(q, k_buf)
+""",
+            why="a commented-out copy, and a cast of a compact DCP buffer: neither is a pool",
+        ),
+        Valid(
+            """
+def forward_decode(self, q, layer, forward_batch):
+    k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    return cutlass_mla_decode(q, k_cache.view(-1, 64, 576), forward_batch.seq_lens)
+""",
+            why="the kernel reads the FP8 pool itself: no cast at all",
+        ),
+    )
+
+    INVALID = (
+        Invalid(
+            """
+class FlashAttentionBackend:
+    def forward_decode(self, q, k, v, layer, forward_batch):
+        if self.kv_cache_dtype_str != "auto" and layer.head_dim <= 256:
+            q = q.to(self.kv_cache_dtype)
+        kv_cache = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        c_kv = kv_cache[:, :, : layer.v_head_dim]
+        return flash_attn_with_kvcache(
+            q=q, k_cache=kv_cache, v_cache=c_kv, page_table=self.forward_metadata.page_table
+        )
+""",
+            status="hot",
+            why="FA3 absorbed MLA: the earlier q cast is guarded; consumed through page_table",
+        ),
+        Invalid(
+            """
+class NpuBackend:
+    def _kv(self, layer):
+        return self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(self.input_dtype)
+""",
+            status="unsupported",
+            why="the cast escapes through return: what the kernel reads is decided elsewhere",
+        ),
+        Invalid(
+            """
+def forward(self, q, layer, forward_batch, dcp):
+    if dcp:
+        buf = forward_batch.dcp_buffer
+    else:
+        buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+    buf = buf.to(q.dtype)
+    return self.kernel(q, buf)
+""",
+            status="unsupported",
+            why="the cast input is the pool on one path and another buffer on the other",
+        ),
+        Invalid(
+            """
+def forward_extend(self, q, layer, forward_batch):
+    k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    if self.kv_cache_dtype == fp8_dtype:
+        k_cache = k_cache.to(q.dtype)
+        v_cache = v_cache.to(q.dtype)
+    return mha_batch_prefill_func(q, k_cache, v_cache, block_table=forward_batch.block_table)
+""",
+            status="hot",
+            why="an MHA pool read as a (k, v) tuple, both halves cast under a guard",
+        ),
+    )
+
+    def decide(self, cand: CastCandidate, ctx: UnitContext) -> Decision:
+        kind = cand.origin.kind
+        kernels = consumer_names(cand.consumers, ctx)
+        if kind == "gathered":
+            from kvpatch.rules.fi_mla_pool_cast import is_mla_run
+
+            if any(is_mla_run(c) for c in cand.consumers):
+                return Decision(FIXED_UPSTREAM, "the buffer is gathered before the cast: the MLA kernel's "
+                                                "rows are cast, not the pool (fixed upstream)")
+            return Decision(GATHERED, "gathered before the cast: only the indexed rows are cast")
+        if kind == "mixed":
+            others = [f"`{ctx.code(d.stmt)}` (line {ctx.line(d.stmt)})" for d, _ in cand.origin.others if d.stmt is not None]
+            return Decision(UNSUPPORTED, "the cast input is a KV pool on some paths and another value on others"
+                            + (f" ({', '.join(others[:2])})" if others else "")
+                            + ": rewriting it could gather from the wrong buffer")
+        guard = f" {cand.guard_note}." if cand.guard_note else ""
+        escapes = [c for c in cand.consumers if c.kind in ("return", "yield", "store", "unknown")]
+        if escapes:
+            return Decision(UNSUPPORTED, f"full-pool cast whose result escapes through {describe(escapes[0], ctx)}: "
+                                         f"the kernel and the rows it reads are not visible in this function.{guard}")
+        for c in cand.consumers:
+            kw = paged_keyword(c)
+            if kw:
+                return Decision(HOT, f"full-pool cast consumed by {describe(c, ctx)} through `{kw}=` "
+                                     f"(pages of page_size), not through kv_indices: a gathered cast for this "
+                                     f"backend needs a rule of its own.{guard}")
+        if cand.form.kind != "to":
+            return Decision(HOT, f"full-pool `.{cand.form.method}()` cast consumed by {kernels}; no rule rewrites "
+                                 f"this cast form.{guard}")
+        if not cand.consumers:
+            return Decision(HOT, f"full-pool cast; no consumer found in this function.{guard}")
+        return Decision(HOT, f"full-pool cast consumed by {kernels}; no rule rewrites this consumer.{guard}")
