@@ -171,6 +171,8 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan
 
     v = _Calls()
     ctx.func.visit(v)
+    cast_getters = set()  # getters whose buffer some cast in this function reads
+    direct: List[cst.Call] = []
     for call in v.calls:
         func = call.func
         # -- a site kvpatch already rewrote --------------------------------
@@ -203,11 +205,15 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan
                 continue
             consumers = ctx.consumers(call)
             cand = CastCandidate(call, receiver, form, origin, consumers)
+            cast_getters.update(origin.getters)
             _decide_cast(fa, ctx, cand, cast_rules, fallback)
             continue
-        # -- the FP8 pool handed to an MLA kernel without a cast ---------------
         if m.matches(func, m.Attribute(attr=m.OneOf(*[m.Name(g) for g in POOL_GETTERS]))) \
                 and ctx.file.module.uses_mla_wrapper:
+            direct.append(call)
+    # -- the FP8 pool handed to an MLA kernel with no cast anywhere on its way --
+    for call in direct:
+        if call not in cast_getters:
             runs = [c for c in ctx.consumers(call) if is_mla_run(c)]
             if runs:
                 fa.sites.append(_site(

@@ -27,7 +27,7 @@ from kvpatch.units import leading_ws
 
 KV_CACHE_ATTR = "_kvpatch_kv_cache_dtype"
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
-RT = f"from . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
+RT = f"\nfrom . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
 
 
 def is_runtime_call(e: cst.BaseExpression, fn: str) -> bool:
@@ -96,6 +96,122 @@ class FlashInferMLAIndicesUpdaterDecode:
 """,
             status="rewrite",
             why="positional decode plan: only argument 11 changes",
+        ),
+        Invalid(
+            HEADER + '''
+class FlashInferMLAIndicesUpdaterDecode:
+    def __init__(self, model_runner: ModelRunner, attn_backend):
+        self.data_type = model_runner.dtype
+        self.page_size = model_runner.page_size
+
+    def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
+        wrapper.plan(
+            qo_indptr=q_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_len_arr=kv_lens,
+            num_heads=self.num_local_heads,
+            head_dim_ckv=self.kv_lora_rank,
+            head_dim_kpe=self.qk_rope_head_dim,
+            page_size=self.page_size,
+            causal=False,
+            sm_scale=sm_scale,
+            q_data_type=self.data_type,
+            kv_data_type=self.data_type,
+        )
+''',
+            expected=HEADER + RT + '''
+class FlashInferMLAIndicesUpdaterDecode:
+    def __init__(self, model_runner: ModelRunner, attn_backend):
+        self.data_type = model_runner.dtype
+        self._kvpatch_kv_cache_dtype = getattr(model_runner, "kv_cache_dtype", None)
+        self.page_size = model_runner.page_size
+
+    def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
+        wrapper.plan(
+            qo_indptr=q_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_len_arr=kv_lens,
+            num_heads=self.num_local_heads,
+            head_dim_ckv=self.kv_lora_rank,
+            head_dim_kpe=self.qk_rope_head_dim,
+            page_size=self.page_size,
+            causal=False,
+            sm_scale=sm_scale,
+            q_data_type=self.data_type,
+            kv_data_type=_kvpatch_rt.plan_kv_dtype(wrapper, self.data_type, self.data_type, self._kvpatch_kv_cache_dtype, False),
+        )
+''',
+            status='rewrite',
+            why='keyword plan (v0.5.1 shape): only kv_data_type= changes',
+        ),
+        Invalid(
+            HEADER + '''
+class FlashInferMLAIndicesUpdaterPrefill:
+    def __init__(self, runner: "ModelRunner", attn_backend):
+        self.data_type = runner.kv_cache_dtype
+        self.q_data_type = runner.dtype
+
+    def call_begin_forward(self, wrapper_paged, qo_indptr, kv_indptr, kv_indices, kv_len_arr, sm_scale):
+        wrapper_paged.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_len_arr,
+            self.num_local_heads,
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            1,
+            True,
+            sm_scale,
+            self.q_data_type,
+            self.data_type,
+        )
+''',
+            expected=HEADER + RT + '''
+class FlashInferMLAIndicesUpdaterPrefill:
+    def __init__(self, runner: "ModelRunner", attn_backend):
+        self.data_type = runner.kv_cache_dtype
+        self.q_data_type = runner.dtype
+        self._kvpatch_kv_cache_dtype = getattr(runner, "kv_cache_dtype", None)
+
+    def call_begin_forward(self, wrapper_paged, qo_indptr, kv_indptr, kv_indices, kv_len_arr, sm_scale):
+        wrapper_paged.plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_len_arr,
+            self.num_local_heads,
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            1,
+            True,
+            sm_scale,
+            self.q_data_type,
+            _kvpatch_rt.plan_kv_dtype(
+                wrapper_paged,
+                self.q_data_type,
+                self.data_type,
+                self._kvpatch_kv_cache_dtype,
+                True,
+            ),
+        )
+''',
+            status='rewrite',
+            why='prefill plan, one argument per line, an annotated runner parameter',
+        ),
+        Invalid(
+            HEADER + '''
+class Updater:
+    def __init__(self, dtype):
+        self.data_type = dtype
+
+    def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
+        wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale, self.data_type, self.data_type)
+''',
+            status='unsupported',
+            why='no model_runner in __init__: the KV-cache dtype is not reachable',
         ),
     )
 

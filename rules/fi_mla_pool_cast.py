@@ -25,7 +25,7 @@ from kvpatch.sites import HOT, UNSUPPORTED
 from kvpatch.units import leading_ws
 
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
-RT = f"from . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
+RT = f"\nfrom . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
 
 
 def is_mla_run(c: Consumer) -> bool:
@@ -75,6 +75,30 @@ class B:
 """,
             why="fixed upstream: the FP8 pool goes to the kernel without a cast",
         ),
+        Valid(
+            HEADER + """
+class B:
+    def forward_extend(self, q, q_rope, layer, forward_batch):
+        prefill_wrapper_paged = self.forward_metadata.prefill_wrapper
+        # k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        k_buf = forward_batch.attn_dcp_metadata.dcp_kv_buffer.to(q.dtype)
+        return prefill_wrapper_paged.run(q, q_rope, k_buf[:, :, :512], k_buf[:, :, 512:])
+""",
+            why="the DCP branch casts a compact gathered buffer, and the pool cast is commented out",
+        ),
+        Valid(
+            HEADER + """
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        q = q.to(k_buffer.dtype)
+        q_rope = q_rope.to(k_buffer.dtype)
+        kv = k_buffer.to(q.dtype)
+        return decode_wrapper.run(q, q_rope, kv[:, :, :512], kv[:, :, 512:])
+""",
+            why="q was cast to the pool dtype on every path: the pool cast is a no-op",
+        ),
     )
 
     INVALID = (
@@ -100,6 +124,210 @@ class B:
         return o
 """,
             why="decode, one line, forward_batch receiver (2025)",
+        ),
+        Invalid(
+            HEADER + '''
+class FlashInferMLAAttnBackend:
+    def forward_decode(self, q, k, v, layer, forward_batch, q_rope=None):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(
+            q.dtype  # fp8 -> bf16
+        )
+        return decode_wrapper.run(
+            q,
+            q_rope,
+            k_buffer[:, :, : layer.v_head_dim],
+            k_buffer[:, :, layer.v_head_dim :],
+        )
+''',
+            expected=HEADER + RT + '''
+class FlashInferMLAAttnBackend:
+    def forward_decode(self, q, k, v, layer, forward_batch, q_rope=None):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = _kvpatch_rt.kv_for_kernel(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            decode_wrapper,
+            q.dtype,  # fp8 -> bf16
+        )
+        return decode_wrapper.run(
+            q,
+            q_rope,
+            k_buffer[:, :, : layer.v_head_dim],
+            k_buffer[:, :, layer.v_head_dim :],
+            **_kvpatch_rt.run_kwargs(decode_wrapper),
+        )
+''',
+            status='hot',
+            why='q.dtype wrapped onto its own line with a comment; exploded run() call',
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def forward_decode(self, q_nope, q_rope, layer, forward_batch):
+        wrapper = self.forward_metadata.decode_wrapper
+        kv = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        if kv.dtype != q_nope.dtype:
+            kv = kv.to(q_nope.dtype)
+        return wrapper.run(q_nope, q_rope, kv[..., :512], kv[..., 512:])
+''',
+            expected=HEADER + RT + '''
+class B:
+    def forward_decode(self, q_nope, q_rope, layer, forward_batch):
+        wrapper = self.forward_metadata.decode_wrapper
+        kv = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        if kv.dtype != q_nope.dtype:
+            kv = _kvpatch_rt.kv_for_kernel(kv, wrapper, q_nope.dtype)
+        return wrapper.run(q_nope, q_rope, kv[..., :512], kv[..., 512:], **_kvpatch_rt.run_kwargs(wrapper))
+''',
+            status='hot',
+            why='two-statement form: the buffer is bound first and cast later under a guard',
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def forward_extend(self, q, q_rope, layer, forward_batch):
+        prefill_wrapper_paged = self.forward_metadata.prefill_wrapper
+        if layer.is_cross_attention:
+            k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        else:
+            k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        return prefill_wrapper_paged.run(q, q_rope, k_buf[:, :, :512], k_buf[:, :, 512:])
+''',
+            expected=HEADER + RT + '''
+class B:
+    def forward_extend(self, q, q_rope, layer, forward_batch):
+        prefill_wrapper_paged = self.forward_metadata.prefill_wrapper
+        if layer.is_cross_attention:
+            k_buf = _kvpatch_rt.kv_for_kernel(
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                prefill_wrapper_paged,
+                q.dtype,
+            )
+        else:
+            k_buf = _kvpatch_rt.kv_for_kernel(
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                prefill_wrapper_paged,
+                q.dtype,
+            )
+        return prefill_wrapper_paged.run(q, q_rope, k_buf[:, :, :512], k_buf[:, :, 512:], **_kvpatch_rt.run_kwargs(prefill_wrapper_paged))
+''',
+            status='hot',
+            why='the same cast in both arms of an if/else',
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        w = self.forward_metadata.decode_wrapper
+        return w.run(
+            q,
+            q_rope,
+            ckv_cache=get_token_to_kv_pool().get_key_buffer(layer.layer_id).to(q.dtype)[:, :, :512],
+            kpe_cache=get_token_to_kv_pool().get_key_buffer(layer.layer_id).to(q.dtype)[:, :, 512:],
+        )
+''',
+            expected=HEADER + RT + '''
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        w = self.forward_metadata.decode_wrapper
+        return w.run(
+            q,
+            q_rope,
+            ckv_cache=_kvpatch_rt.kv_for_kernel(
+                get_token_to_kv_pool().get_key_buffer(layer.layer_id),
+                w,
+                q.dtype,
+            )[:, :, :512],
+            kpe_cache=_kvpatch_rt.kv_for_kernel(
+                get_token_to_kv_pool().get_key_buffer(layer.layer_id),
+                w,
+                q.dtype,
+            )[:, :, 512:],
+            **_kvpatch_rt.run_kwargs(w),
+        )
+''',
+            status='hot',
+            why='inline in the run() call, get_token_to_kv_pool() receiver, keyword ckv/kpe arguments',
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch, token_to_kv_pool):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        pool = token_to_kv_pool
+        dtype = q.dtype
+        k_buffer = pool.get_value_buffer(layer.layer_id).to(dtype)
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+''',
+            expected=HEADER + RT + '''
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch, token_to_kv_pool):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        pool = token_to_kv_pool
+        dtype = q.dtype
+        k_buffer = _kvpatch_rt.kv_for_kernel(
+            pool.get_value_buffer(layer.layer_id),
+            decode_wrapper,
+            dtype,
+        )
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], **_kvpatch_rt.run_kwargs(decode_wrapper))
+''',
+            status='hot',
+            why='a parameter aliased to a local, get_value_buffer, a local dtype alias',
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def __init__(self, model_runner):
+        self.kv_indptr = model_runner.kv_indptr
+        self.data_type = model_runner.dtype
+
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(self.data_type)
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+''',
+            expected=HEADER + RT + '''
+class B:
+    def __init__(self, model_runner):
+        self.kv_indptr = model_runner.kv_indptr
+        self.data_type = model_runner.dtype
+
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = _kvpatch_rt.kv_for_kernel(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            decode_wrapper,
+            self.data_type,
+            kv_indptr=self.kv_indptr,
+        )
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], **_kvpatch_rt.run_kwargs(decode_wrapper))
+''',
+            status='hot',
+            why="self.data_type as the dtype; the backend's self.kv_indptr is passed on",
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+''',
+            status='unsupported',
+            why='the wrapper is bound only after the cast',
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        self.debug_dump(k_buffer)
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+''',
+            status='unsupported',
+            why="the cast result also reaches a call that is not the wrapper's run()",
         ),
     )
 
@@ -170,8 +398,12 @@ class B:
                 continue
             for name in loads_in(arg.value):
                 for d in ctx.flow.defs_of(name):
-                    if d.value is not None and not _inside(d.value, cand.call) and d.kind == "assign" \
-                            and ctx.origin(d.value).kind != "pool":
+                    if d.value is None or d.kind != "assign" or _inside(d.value, cand.call):
+                        continue
+                    form = ctx.cast_form(d.value) if isinstance(d.value, cst.Call) else None
+                    if form is not None and ctx.origin(d.value.func.value).kind == "pool":
+                        continue  # another pool cast: a site of its own
+                    if ctx.origin(d.value).kind != "pool":
                         text = f"`{name.value}` may also be `{ctx.code(d.value)}` (line {ctx.line(d.stmt)}): " \
                                f"not pool-wide, left as is"
                         if text not in notes:
@@ -181,8 +413,8 @@ class B:
     # -- builders ----------------------------------------------------------
     @staticmethod
     def _cast_builder(cand: CastCandidate, ctx: UnitContext, w_code: str, kv_indptr: Optional[str]):
-        stmt = ctx.line_statement(cand.call)
-        indent = leading_ws(ctx.file.lines[ctx.line(stmt) - 1])
+        # Continuation lines line up with the line the cast starts on.
+        indent = leading_ws(ctx.file.lines[ctx.line(cand.call) - 1])
         unit = "\t" if indent.startswith("\t") else "    "
         column = ctx.column(cand.call)
         multiline = ctx.line(cand.call) != ctx.end_line(cand.call)

@@ -1,0 +1,45 @@
+"""Shared fixtures: copies of the bundled example tree, plain or as a git repo."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "sglang"
+FI_MLA = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"
+
+
+def tree_hashes(root: Path) -> dict:
+    """sha256 of every file under root, .git excluded."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and ".git" not in p.relative_to(root).parts:
+            out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture
+def example(tmp_path) -> Path:
+    dst = tmp_path / "sglang"
+    shutil.copytree(EXAMPLE, dst)
+    return dst
+
+
+@pytest.fixture
+def example_git(example) -> Path:
+    git(example, "init", "-q", "-b", "main")
+    git(example, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    git(example, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "upstream")
+    git(example, "config", "user.name", "tester")
+    git(example, "config", "user.email", "tester@example.com")
+    return example

@@ -1,0 +1,136 @@
+"""apply / revert / status end to end, in a plain directory and in git."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from conftest import FI_MLA, REPO, git, tree_hashes
+from kvpatch.cli import main
+from kvpatch.runtime import RUNTIME_FILENAME
+
+GOLDEN = REPO / "tests" / "golden" / "flashinfer_mla_backend.patched.py"
+RUNTIME = FI_MLA.rsplit("/", 1)[0] + "/" + RUNTIME_FILENAME
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(map(str, args)))
+
+
+def test_apply_plain_dir_matches_golden_and_is_idempotent(example):
+    original = tree_hashes(example)
+    r = run("apply", example)
+    assert r.exit_code == 0, r.output
+    assert "not a git checkout" in r.output
+    assert (example / FI_MLA).read_text() == GOLDEN.read_text()
+    compile((example / FI_MLA).read_text(), FI_MLA, "exec")
+    rt = example / RUNTIME
+    compile(rt.read_text(), RUNTIME, "exec")
+    assert '__kvpatch_version__ = "' in rt.read_text()
+    state = json.loads((example / ".kvpatch/state.json").read_text())
+    assert state["schema"] == "kvpatch.state/1"
+    [f] = state["files"]
+    assert f["path"] == FI_MLA and len(f["sites"]) == 5
+    assert {s["kind"] for s in f["sites"]} == {"cast", "plan"}
+    assert all(s["rewritten"] and s["original"] != s["rewritten"] for s in f["sites"])
+    assert (example / f["original_copy"]).read_bytes() == (REPO / "examples/sglang" / FI_MLA).read_bytes()
+
+    patched = tree_hashes(example)
+    again = run("apply", example)
+    assert again.exit_code == 0 and "nothing to do" in again.output
+    assert tree_hashes(example) == patched
+
+    st = run("status", "--json", example)
+    assert st.exit_code == 0 and json.loads(st.stdout)["state"] == "patched"
+
+    audit = run("audit", "--json", example)
+    sites = json.loads(audit.stdout)["sites"]
+    assert {s["status"] for s in sites if s["file"] == FI_MLA} == {"patched"}
+    assert audit.exit_code == 1  # FA3 and NPU sites remain: no rule rewrites them
+
+    rv = run("revert", example)
+    assert rv.exit_code == 0, rv.output
+    assert tree_hashes(example) == original
+
+
+def test_status_not_patched_then_drift(example):
+    st = run("status", example)
+    assert st.exit_code == 1 and st.output.startswith("not patched")
+    assert run("apply", example).exit_code == 0
+    p = example / FI_MLA
+    p.write_text(p.read_text().replace("kv_indptr=self.kv_indptr,\n        )", "kv_indptr=None,\n        )", 1))
+    st = run("status", example)
+    assert st.exit_code == 3 and st.output.startswith("drifted")
+    assert "FlashInferMLAAttnBackend.forward_decode" in st.output
+    rv = run("revert", example)
+    assert rv.exit_code == 2 and "--force" in rv.output
+    rv = run("revert", "--force", example)
+    assert rv.exit_code == 0
+    assert p.read_bytes() == (REPO / "examples/sglang" / FI_MLA).read_bytes()
+    assert (example / (FI_MLA + ".kvpatch-drifted")).exists()  # the hand edit is kept
+
+
+def test_apply_in_git_makes_branch_and_one_commit(example_git):
+    head = git(example_git, "rev-parse", "HEAD")
+    r = run("apply", example_git)
+    assert r.exit_code == 0, r.output
+    branch = git(example_git, "rev-parse", "--abbrev-ref", "HEAD")
+    assert branch.startswith("kvpatch/v0.0.0.kvpatch-example-")
+    assert git(example_git, "rev-parse", "HEAD~1") == head
+    assert git(example_git, "status", "--porcelain") == ""
+    msg = git(example_git, "log", "-1", "--format=%B")
+    assert "FlashInferMLAAttnBackend.forward_decode" in msg and "forward_extend" in msg
+    assert "plan kv dtype" in msg and RUNTIME in msg
+    files = git(example_git, "show", "--name-only", "--format=", "HEAD").splitlines()
+    assert FI_MLA in files and RUNTIME in files and ".kvpatch/state.json" in files
+
+    again = run("apply", example_git)
+    assert "nothing to do" in again.output and git(example_git, "rev-parse", "HEAD") != head
+    assert git(example_git, "rev-list", "--count", "HEAD") == "2"
+
+    rv = run("revert", example_git)
+    assert rv.exit_code == 0, rv.output
+    assert git(example_git, "status", "--porcelain") == ""
+    assert git(example_git, "diff", head, "HEAD", "--stat") == ""  # bytes back to upstream
+
+
+def test_dirty_tree_refused_unless_allowed(example_git):
+    other = example_git / "python/sglang/version.py"
+    other.write_text(other.read_text() + "# local edit\n")
+    before = tree_hashes(example_git)
+    r = run("apply", example_git)
+    assert r.exit_code == 2 and "uncommitted changes" in r.output and "--allow-dirty" in r.output
+    assert tree_hashes(example_git) == before
+    r = run("apply", "--allow-dirty", example_git)
+    assert r.exit_code == 0, r.output
+    assert "version.py" in git(example_git, "status", "--porcelain")  # the user's edit stays uncommitted
+
+
+def test_no_commit_writes_files_only(example_git):
+    head = git(example_git, "rev-parse", "HEAD")
+    r = run("apply", "--no-commit", example_git)
+    assert r.exit_code == 0 and "--no-commit" in r.output
+    assert git(example_git, "rev-parse", "HEAD") == head
+    assert git(example_git, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    assert "_kvpatch_rt.kv_for_kernel" in (example_git / FI_MLA).read_text()
+
+
+def test_refused_file_leaves_everything_original(example, monkeypatch):
+    """A rewrite that fails its compile check is reported and nothing is written."""
+    from kvpatch import rewrite
+
+    def broken(*a, **k):
+        raise rewrite.RewriteError("forced failure")
+
+    monkeypatch.setattr(rewrite, "_check", broken)
+    before = tree_hashes(example)
+    r = run("apply", example)
+    assert r.exit_code == 2 and "forced failure" in r.output
+    assert tree_hashes(example) == before
+
+
+def test_revert_without_record(example):
+    r = run("revert", example)
+    assert r.exit_code == 2 and "was not patched" in r.output
