@@ -1,0 +1,500 @@
+"""kvpatch runtime: what a patched SGLang MLA backend reads instead of a full-pool cast.
+
+SGLang's FlashInfer MLA backend casts the whole FP8 layer pool to the query dtype every
+layer, every step. This module either hands the FP8 pool straight to FlashInfer (when it
+can read FP8 MLA natively) or casts only the rows the planned wrapper reads into a
+persistent shadow buffer. Contract: docs/runtime.md of kvpatch.
+
+Self-contained on purpose: `kvpatch apply` copies it into the checkout as
+`_kvpatch_runtime.py`, so it imports only the standard library and torch (Triton lazily,
+on CUDA) and never kvpatch.
+"""
+
+import logging
+import math
+import os
+import re
+
+import torch
+
+__kvpatch_runtime_version__ = "1"
+__kvpatch_version__ = "0.1.0"
+
+__all__ = [
+    "mode",
+    "plan_kv_dtype",
+    "kv_for_kernel",
+    "run_kwargs",
+    "gather_cast",
+    "reset",
+    "poison_shadows",
+    "TUNING",
+]
+
+logger = logging.getLogger("kvpatch.runtime")
+
+_MODES = ("auto", "gather", "native", "off")
+# FlashInfer releases whose FP8 MLA plan is checked and correct, per backend.
+_FA3_MIN = (0, 6, 14)
+_FA2_MIN = (0, 6, 18)
+_FP8 = torch.float8_e4m3fn
+
+# Kernel launch constants; benchmarks/bench_gather.py sweeps them.
+TUNING = {"block_rows": 32, "num_warps": 8, "programs_per_sm": 4}
+
+_requested = None  # KVPATCH_MODE as parsed
+_mode = None  # resolved mode
+_shadows = {}  # (device, shape, dtype) -> persistent shadow buffer
+_warned = set()
+_probe_cache = {}
+_kernel = None  # jitted Triton kernel, built on first CUDA use
+_triton_failed = set()  # launch keys whose compile failed (auto falls back to torch)
+
+
+def _warn_once(key, msg, *args):
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
+
+
+# ---------------------------------------------------------------------------
+# Probes: small so tests can monkeypatch them; cached because plan_kv_dtype runs on
+# every plan, also before each CUDA-graph replay.
+
+
+def _cuda_available():
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _flashinfer_version():
+    """The importable FlashInfer's version string, or None."""
+    if "fi_version" not in _probe_cache:
+        ver = None
+        try:
+            import flashinfer
+
+            ver = getattr(flashinfer, "__version__", None)
+        except Exception:
+            pass
+        if ver is None:
+            try:
+                from importlib import metadata
+
+                for dist in ("flashinfer-python", "flashinfer"):
+                    try:
+                        ver = metadata.version(dist)
+                        break
+                    except metadata.PackageNotFoundError:
+                        pass
+            except Exception:
+                pass
+        _probe_cache["fi_version"] = ver
+    return _probe_cache["fi_version"]
+
+
+def _device_capability(device):
+    """(major, minor) of a CUDA device, or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    key = ("cap", device.index)
+    if key not in _probe_cache:
+        try:
+            _probe_cache[key] = tuple(torch.cuda.get_device_capability(device))
+        except Exception:
+            _probe_cache[key] = None
+    return _probe_cache[key]
+
+
+def _sm_count(device):
+    device = torch.device(device)
+    key = ("sms", device.type, device.index)
+    if key not in _probe_cache:
+        n = 4  # CPU (Triton interpreter): a small grid still exercises the persistent loop
+        if device.type == "cuda":
+            n = torch.cuda.get_device_properties(device).multi_processor_count
+        _probe_cache[key] = n
+    return _probe_cache[key]
+
+
+_VERSION_RE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)(.*)$")
+
+
+def _parse_version(text):
+    """'0.6.18.post1' -> (0, 6, 18, 1); '0.7.0rc1' -> (0, 7, 0, 0); None if unparseable.
+
+    The last field is 1 for a final or post release and 0 for a pre/dev release, so a
+    pre-release sorts below its final release.
+    """
+    if not isinstance(text, str):
+        return None
+    m = _VERSION_RE.match(text.split("+", 1)[0])  # drop a local version (+cu128)
+    if not m:
+        return None
+    release = [int(p) for p in m.group(1).split(".")][:3]
+    release += [0] * (3 - len(release))
+    rest = m.group(2).lstrip(".-_").lower()
+    pre = rest.startswith(("a", "b", "c", "rc", "dev", "pre"))  # alpha, beta, rc, dev
+    return tuple(release) + (0 if pre else 1,)
+
+
+def _at_least(version, minimum):
+    return version is not None and version >= tuple(minimum) + (1,)
+
+
+# ---------------------------------------------------------------------------
+# Mode
+
+
+def _requested_mode():
+    raw = os.environ.get("KVPATCH_MODE", "auto")
+    value = raw.strip().lower() or "auto"
+    if value not in _MODES:
+        raise ValueError(
+            "KVPATCH_MODE=%r is not one of: %s" % (raw, ", ".join(_MODES))
+        )
+    return value
+
+
+def _native_available():
+    return _cuda_available() and _at_least(_parse_version(_flashinfer_version()), _FA3_MIN)
+
+
+def mode():
+    """'native', 'gather' or 'off', resolved once per process from KVPATCH_MODE."""
+    global _requested, _mode
+    if _mode is None:
+        requested = _requested_mode()
+        resolved = requested
+        if requested in ("auto", "native"):
+            resolved = "native" if _native_available() else "gather"
+            if requested == "native" and resolved == "gather":
+                # Old FlashInfer accepts an FP8 MLA plan unchecked and returns garbage.
+                logger.warning(
+                    "KVPATCH_MODE=native needs CUDA and FlashInfer >= %s (found %s); "
+                    "using the gathered cast",
+                    ".".join(map(str, _FA3_MIN)),
+                    _flashinfer_version(),
+                )
+        _requested, _mode = requested, resolved
+    return _mode
+
+
+# ---------------------------------------------------------------------------
+# Plan / run hooks
+
+
+def _native_ok(wrapper, q_dtype, kv_cache_dtype, causal):
+    if mode() != "native":
+        return False
+    # uint8 maps to an FP4 kernel in FlashInfer; e5m2 is not supported: e4m3fn only.
+    if kv_cache_dtype is not _FP8 or q_dtype is not torch.bfloat16:
+        return False
+    # Under auto, prefill/verify plans keep the gathered cast (see docs/runtime.md).
+    if causal and _requested != "native":
+        return False
+    device = getattr(wrapper, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return False
+    cap = _device_capability(device)
+    if cap is None or cap[0] != 9:
+        return False
+    version = _parse_version(_flashinfer_version())
+    backend = getattr(wrapper, "_backend", None)
+    if backend == "fa3":
+        return _at_least(version, _FA3_MIN)
+    if backend == "fa2":
+        return _at_least(version, _FA2_MIN)
+    return False
+
+
+def plan_kv_dtype(wrapper, q_dtype, kv_dtype, kv_cache_dtype, causal):
+    """The kv dtype to plan with: FP8 when the wrapper runs FP8 MLA natively, else kv_dtype.
+
+    The choice is recorded on the wrapper so kv_for_kernel and run_kwargs follow the plan.
+    """
+    native = _native_ok(wrapper, q_dtype, kv_cache_dtype, bool(causal))
+    choice = _FP8 if native else kv_dtype
+    try:
+        wrapper._kvpatch_kv_dtype = choice
+    except Exception:  # an object without a __dict__ cannot be planned native
+        return kv_dtype
+    return choice
+
+
+def _planned_fp8(wrapper):
+    return getattr(wrapper, "_kvpatch_kv_dtype", None) is _FP8
+
+
+def run_kwargs(wrapper):
+    """FP8 run() needs both scales (and bf16 run() rejects them); SGLang stores unscaled."""
+    if _planned_fp8(wrapper):
+        return {"ckv_scale": 1.0, "kpe_scale": 1.0}
+    return {}
+
+
+def _shadow(kv_buffer, dtype):
+    key = (kv_buffer.device, tuple(kv_buffer.shape), dtype)
+    buf = _shadows.get(key)
+    if buf is None:
+        # Contents never matter: only rows the kernel reads are read, and those are cast
+        # right before every run.
+        buf = torch.empty(kv_buffer.shape, dtype=dtype, device=kv_buffer.device)
+        _shadows[key] = buf
+    return buf
+
+
+def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
+    """What the kernel reads in place of kv_buffer.to(q_dtype)."""
+    if mode() == "off":
+        return kv_buffer.to(q_dtype)
+    if kv_buffer.dtype == q_dtype:
+        return kv_buffer
+    if kv_buffer.dtype is _FP8 and _planned_fp8(wrapper):
+        return kv_buffer
+    indices = getattr(wrapper, "_kv_indices_buf", None)
+    indptr = getattr(wrapper, "_kv_indptr_buf", None)
+    if not (
+        isinstance(indices, torch.Tensor)
+        and isinstance(indptr, torch.Tensor)
+        and indptr.numel() > 0
+        and indices.device == kv_buffer.device
+        and indptr.device == kv_buffer.device
+    ):
+        _warn_once(
+            ("unplanned", type(wrapper).__name__),
+            "kvpatch: %s is not a planned FlashInfer MLA wrapper on the pool's device; "
+            "casting the whole pool",
+            type(wrapper).__name__,
+        )
+        return kv_buffer.to(q_dtype)
+    if _rows(kv_buffer) is None:
+        _warn_once(
+            ("strides", tuple(kv_buffer.stride())),
+            "kvpatch: KV buffer strides %s do not form rows; casting the whole pool",
+            tuple(kv_buffer.stride()),
+        )
+        return kv_buffer.to(q_dtype)
+    shadow = _shadow(kv_buffer, q_dtype)
+    pos = indptr.numel() - 1
+    # Under CUDA-graph replay SGLang refreshes the backend's kv_indptr, not the
+    # wrapper's: read both and take the max.
+    use2 = (
+        isinstance(kv_indptr, torch.Tensor)
+        and kv_indptr.device == kv_buffer.device
+        and kv_indptr.numel() > pos
+    )
+    gather_cast(
+        kv_buffer,
+        shadow,
+        indices,
+        indptr,
+        pos,
+        kv_indptr if use2 else None,
+        pos,
+        rows_per_index=int(getattr(wrapper, "_page_size", 1) or 1),
+    )
+    return shadow
+
+
+# ---------------------------------------------------------------------------
+# The gathered cast
+
+
+def _rows(t):
+    """t as a [slots, slot_len] view (no copy), or None when its strides do not allow it.
+
+    A slot is what one token occupies: all dims but the last two are slot dims, so the
+    MLA pool's [slots, 1, 576] and [pages, page_size, 1, 576] both give rows of 576.
+    """
+    if t.dim() == 0:
+        return None
+    lead = t.dim() - 2 if t.dim() >= 3 else 1
+    try:
+        return t.view(math.prod(t.shape[:lead]), math.prod(t.shape[lead:]))
+    except RuntimeError:
+        return None
+
+
+def gather_cast(
+    src,
+    dst,
+    indices,
+    indptr,
+    indptr_pos,
+    indptr2=None,
+    indptr2_pos=0,
+    rows_per_index=1,
+    *,
+    backend="auto",
+    config=None,
+):
+    """dst[r] = src[r].to(dst.dtype) for every row r read through indices[:n].
+
+    n = min(max(indptr[indptr_pos], indptr2[indptr2_pos]), indices.numel()), read on the
+    device. Index i covers slots i*rows_per_index ... +rows_per_index-1 of src viewed as
+    [slots, slot_len] (see _rows); out-of-range indices are skipped. No host sync.
+
+    backend: "auto" (Triton on CUDA when importable, else torch), "triton" (forced; also
+    runs on CPU under TRITON_INTERPRET=1) or "torch". config overrides TUNING.
+    Returns the path taken, "triton" or "torch".
+    """
+    if src.shape != dst.shape or src.device != dst.device:
+        raise ValueError("gather_cast: src and dst need the same shape and device")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError("gather_cast: backend must be auto, triton or torch")
+    rpi = int(rows_per_index)
+    if rpi < 1:
+        raise ValueError("gather_cast: rows_per_index must be >= 1")
+    if indptr2 is None:
+        indptr2, indptr2_pos = indptr, indptr_pos
+    src2, dst2 = _rows(src), _rows(dst)
+    if src2 is None or dst2 is None:
+        raise ValueError("gather_cast: src/dst strides do not form [slots, slot_len] rows")
+    idx = indices.reshape(-1)  # a view for the 1-D buffers FlashInfer keeps
+    if idx.numel() == 0 or src2.shape[0] < rpi:
+        return "torch"
+    cfg = dict(TUNING, **(config or {}))
+    if backend != "torch" and _triton_ok(src2, dst2, idx, indptr, indptr2, rpi, backend):
+        key = (src.dtype, dst.dtype, rpi, cfg["block_rows"], cfg["num_warps"])
+        if key not in _triton_failed:
+            try:
+                _launch(src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi, cfg)
+                return "triton"
+            except Exception as exc:
+                if backend == "triton":
+                    raise
+                _triton_failed.add(key)
+                _warn_once(("triton", key), "kvpatch: Triton gather failed (%s); using torch", exc)
+    elif backend == "triton":
+        raise RuntimeError("gather_cast: Triton path not available for these tensors")
+    _gather_cast_torch(src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi)
+    return "torch"
+
+
+def _triton_ok(src2, dst2, idx, indptr, indptr2, rpi, backend):
+    if not (src2.is_cuda or backend == "triton"):
+        return False
+    if src2.stride(1) != 1 or dst2.stride(1) != 1 or not idx.is_contiguous():
+        return False  # the kernel assumes a contiguous inner row (vector loads)
+    if idx.dtype not in (torch.int32, torch.int64):
+        return False
+    if any(t.dtype not in (torch.int32, torch.int64) for t in (indptr, indptr2)):
+        return False
+    if any(t.device != src2.device for t in (dst2, idx, indptr, indptr2)):
+        return False
+    if idx.numel() * rpi >= 2**31:
+        return False  # the kernel's work counter is int32
+    return _get_kernel() is not None
+
+
+def _launch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi, cfg):
+    kernel = _get_kernel()
+    n_rows, row_len = src2.shape
+    main_d = 1 << (row_len.bit_length() - 1)  # 576 -> 512 + a 64-wide tail
+    rest = row_len - main_d
+    tail_d = 1 << (rest - 1).bit_length() if rest else 0
+    br = cfg["block_rows"]
+    # Persistent grid: sized on the host from the buffer length (fixed under CUDA
+    # graphs); the kernel loops over however many rows the device says are valid.
+    max_blocks = -(-(idx.numel() * rpi) // br)
+    grid = (max(1, min(_sm_count(src2.device) * cfg["programs_per_sm"], max_blocks)),)
+    kernel[grid](
+        src2, dst2, idx, indptr, int(pos1), indptr2, int(pos2),
+        idx.numel(), n_rows // rpi, src2.stride(0), dst2.stride(0),
+        D=row_len, MAIN_D=main_d, TAIL_D=tail_d, RPI=rpi, BLOCK_ROWS=br,
+        num_warps=cfg["num_warps"],
+    )
+
+
+def _gather_cast_torch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi):
+    # No .item(): valid entries are masked on the device, so this is also graph-safe.
+    units = src2.shape[0] // rpi
+    d = src2.shape[1]
+    src_u = src2[: units * rpi].view(units, rpi, d)
+    dst_u = dst2[: units * rpi].view(units, rpi, d)
+    n = torch.maximum(indptr[pos1], indptr2[pos2]).clamp(0, idx.numel())
+    pos = torch.arange(idx.numel(), device=idx.device)
+    i = idx.long()
+    valid = (pos < n) & (i >= 0) & (i < units)
+    # Invalid entries are redirected to the first valid row, which is written with the
+    # same value; if none is valid they rewrite a row with its own old value. Either
+    # way duplicates in index_copy_ agree, so the result is deterministic.
+    first = i.index_select(0, torch.argmax(valid.to(torch.int32)).view(1)).clamp(0, units - 1)
+    safe = torch.where(valid, i, first)
+    new = src_u.index_select(0, safe).to(dst2.dtype)
+    old = dst_u.index_select(0, safe)
+    dst_u.index_copy_(0, safe, torch.where(valid.any(), new, old))
+
+
+def _get_kernel():
+    """Build the Triton kernel on first use; None when Triton is not importable."""
+    global _kernel, triton, tl
+    if _kernel is not None:
+        return _kernel or None
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:
+        _kernel = False
+        return None
+
+    # Names used inside the kernel (tl) must be module globals for Triton's compiler.
+    @triton.jit(do_not_specialize=["pos1", "pos2", "n_idx", "n_units"])
+    def _gather_cast_kernel(
+        src, dst, idx_ptr, ip1, pos1, ip2, pos2, n_idx, n_units, src_stride, dst_stride,
+        D: tl.constexpr, MAIN_D: tl.constexpr, TAIL_D: tl.constexpr,
+        RPI: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    ):
+        # Valid count from device memory: replays see whatever SGLang wrote in place.
+        n = tl.maximum(tl.load(ip1 + pos1), tl.load(ip2 + pos2))
+        n = tl.minimum(tl.maximum(n, 0), n_idx).to(tl.int32)  # host checks n_idx*RPI < 2**31
+        total = n * RPI
+        lanes = tl.arange(0, BLOCK_ROWS)
+        cols = tl.arange(0, MAIN_D)
+        for blk in range(tl.program_id(0), tl.cdiv(total, BLOCK_ROWS), tl.num_programs(0)):
+            w = blk * BLOCK_ROWS + lanes
+            live = w < total
+            unit = tl.load(idx_ptr + w // RPI, mask=live, other=-1).to(tl.int64)
+            ok = live & (unit >= 0) & (unit < n_units)  # never touch rows out of range
+            row = unit * RPI + w % RPI
+            s = src + row[:, None] * src_stride
+            d = dst + row[:, None] * dst_stride
+            m = ok[:, None]
+            # Both loads are issued before the stores so they overlap in flight.
+            x = tl.load(s + cols[None, :], mask=m)
+            if TAIL_D > 0:
+                tcols = MAIN_D + tl.arange(0, TAIL_D)
+                tm = m
+                if MAIN_D + TAIL_D > D:  # a column mask only when the tail is ragged
+                    tm = m & (tcols[None, :] < D)
+                t = tl.load(s + tcols[None, :], mask=tm)
+            tl.store(d + cols[None, :], x.to(dst.dtype.element_ty), mask=m)
+            if TAIL_D > 0:
+                tl.store(d + tcols[None, :], t.to(dst.dtype.element_ty), mask=tm)
+
+    _kernel = _gather_cast_kernel
+    return _kernel
+
+
+# ---------------------------------------------------------------------------
+# Test hooks
+
+
+def reset():
+    """Drop the cached mode, probes, warnings and shadow buffers."""
+    global _requested, _mode
+    _requested = _mode = None
+    _shadows.clear()
+    _warned.clear()
+    _probe_cache.clear()
+    _triton_failed.clear()
+
+
+def poison_shadows(value=float("nan")):
+    """Fill every shadow buffer, so a row a gather missed cannot pass for a cast one."""
+    for buf in _shadows.values():
+        buf.fill_(value)

@@ -1,0 +1,298 @@
+"""GPU tests of the runtime's fused Triton gather-cast (run on a CUDA machine):
+
+    python3 -m pytest tests/gpu/test_runtime_gpu.py
+
+Every check compares against torch's own cast on the GPU, bit for bit, with the output
+poisoned (NaN) first so a missed row cannot pass, and checks rows outside the read set are
+still poison.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the runtime's GPU tests need an NVIDIA GPU",
+                allow_module_level=True)
+pytest.importorskip("triton", reason="triton not importable: the fused kernel cannot run")
+
+pytestmark = pytest.mark.gpu
+
+RUNTIME = Path(__file__).resolve().parents[2] / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+DEV = torch.device("cuda")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("_kvpatch_runtime_gpu", RUNTIME)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_RT = _load()
+
+
+@pytest.fixture
+def rt(monkeypatch):
+    monkeypatch.setenv("KVPATCH_MODE", "gather")
+    _RT.reset()
+    yield _RT
+    _RT.reset()
+    torch.cuda.synchronize()
+
+
+class FakeWrapper:
+    def __init__(self, indices, indptr, page_size=1):
+        self._kv_indices_buf = indices
+        self._kv_indptr_buf = indptr
+        self._page_size = page_size
+        self._backend = "fa3"
+        self.device = indices.device
+
+
+def fp8_pool(*shape, seed=0):
+    """Random FP8 bytes (uint8 storage viewed as e4m3fn): no NaN codes, no zeros."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV, generator=g)
+    raw[(raw & 0x7F) == 0x7F] = 0x3C
+    raw[(raw & 0x7F) == 0] = 0x21
+    return raw.view(FP8)
+
+
+def rand_slots(n, high, seed=0, dtype=torch.int32):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randperm(high, generator=g, device=DEV)[:n].to(dtype)
+
+
+def i32(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+def bits(t):
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def check_rows(dst, src, read_units, rpi=1, allowed_units=None):
+    """dst == src.to(dst.dtype) on the rows of read_units; poison outside allowed_units."""
+    slots = src.shape[0] * (src.shape[1] if src.dim() == 4 else 1)  # [pages, page_size, 1, D]
+    s2, d2 = src.reshape(slots, -1), dst.reshape(slots, -1)
+    units = s2.shape[0] // rpi
+
+    def rows_of(u):
+        u = u.long()
+        u = u[(u >= 0) & (u < units)]
+        return (u[:, None] * rpi + torch.arange(rpi, device=DEV)).reshape(-1)
+
+    rows = rows_of(read_units)
+    ref = s2.index_select(0, rows).to(dst.dtype)  # torch's cast, on the GPU
+    assert torch.equal(bits(d2.index_select(0, rows)), bits(ref)), "a read row differs"
+    allowed = torch.zeros(s2.shape[0], dtype=torch.bool, device=DEV)
+    allowed[rows_of(read_units if allowed_units is None else allowed_units)] = True
+    assert bool(torch.isnan(d2[~allowed].float()).all()), "a row outside the read set changed"
+
+
+def poisoned(src, dtype=BF16):
+    return torch.full(src.shape, float("nan"), dtype=dtype, device=DEV)
+
+
+# --------------------------------------------------------------------------- kernel vs torch
+
+
+@pytest.mark.parametrize("rows", [1, 4096, 131072])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_kernel_matches_torch_cast(rt, rows, idx_dtype):
+    src = fp8_pool(200_000, 1, 576, seed=rows)
+    dst = poisoned(src)
+    idx = rand_slots(rows, 200_000, seed=rows + 1, dtype=idx_dtype)
+    assert rt.gather_cast(src, dst, idx, i32([0, rows]), 1, backend="triton") == "triton"
+    check_rows(dst, src, idx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kernel_other_query_dtypes(rt, dtype):
+    src = fp8_pool(10_000, 1, 576, seed=3)
+    dst = poisoned(src, dtype)
+    idx = rand_slots(3000, 10_000, seed=4)
+    rt.gather_cast(src, dst, idx, i32([0, 3000]), 1, backend="triton")
+    check_rows(dst, src, idx)
+
+
+def test_kernel_count_is_max_of_two_indptrs_and_clamped(rt):
+    src = fp8_pool(50_000, 1, 576, seed=5)
+    idx = rand_slots(20_000, 50_000, seed=6)
+    for ip1, ip2, n in [(100, 7000, 7000), (9000, 10, 9000), (5, 10**8, 20_000)]:
+        dst = poisoned(src)
+        rt.gather_cast(src, dst, idx, i32([0, ip1]), 1, i32([0, 0, ip2, 3]), 2, backend="triton")
+        check_rows(dst, src, idx[:n])
+
+
+def test_kernel_skips_out_of_range_and_duplicate_indices(rt):
+    src = fp8_pool(1000, 1, 576, seed=7)
+    dst = poisoned(src)
+    idx = i32([5, -1, 999, 1000, 2**30, 5, 17, -(2**31)])
+    rt.gather_cast(src, dst, idx, i32([0, 8]), 1, backend="triton")
+    check_rows(dst, src, idx)
+
+
+@pytest.mark.parametrize("row_stride, start", [(1152, 0), (1152, 576), (600, 8), (576 + 16, 16)])
+def test_kernel_strided_source(rt, row_stride, start):
+    base = fp8_pool(60_000, 1, row_stride, seed=8)
+    src = base[:, :, start:start + 576]
+    assert src.stride(0) == row_stride
+    dst = poisoned(src)
+    idx = rand_slots(4096, 60_000, seed=9)
+    rt.gather_cast(src, dst, idx, i32([0, 4096]), 1, backend="triton")
+    check_rows(dst, src, idx)
+
+
+@pytest.mark.parametrize("layout", ["paged", "flat"])
+@pytest.mark.parametrize("page_size", [2, 16, 64])
+def test_kernel_rows_per_index(rt, layout, page_size):
+    pages = 4000
+    shape = (pages, page_size, 1, 576) if layout == "paged" else (pages * page_size, 1, 576)
+    src = fp8_pool(*shape, seed=page_size)
+    dst = poisoned(src)
+    idx = rand_slots(900, pages, seed=10)
+    rt.gather_cast(src, dst, idx, i32([0, 700]), 1, rows_per_index=page_size, backend="triton")
+    check_rows(dst, src, idx[:700], rpi=page_size)
+
+
+@pytest.mark.parametrize("cfg", [dict(block_rows=8, num_warps=4, programs_per_sm=1),
+                                 dict(block_rows=64, num_warps=8, programs_per_sm=16),
+                                 dict(block_rows=16, num_warps=2, programs_per_sm=2)])
+def test_kernel_tuning_configs_are_all_correct(rt, cfg):
+    src = fp8_pool(100_000, 1, 576, seed=11)
+    dst = poisoned(src)
+    idx = rand_slots(33_333, 100_000, seed=12)
+    rt.gather_cast(src, dst, idx, i32([0, 33_333]), 1, backend="triton", config=cfg)
+    check_rows(dst, src, idx)
+
+
+def test_kv_for_kernel_uses_triton_and_never_syncs(rt, monkeypatch):
+    def no_torch(*a, **k):
+        raise AssertionError("torch fallback used on CUDA")
+
+    monkeypatch.setattr(rt, "_gather_cast_torch", no_torch)
+    kv = fp8_pool(30_000, 1, 576, seed=13)
+    idx = rand_slots(5000, 30_000, seed=14)
+    w = FakeWrapper(idx, i32([0, 2000, 4000]))
+    backend_indptr = i32([0, 2000, 4500, 0])
+    rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)  # warm-up: compile, shadow
+    rt.poison_shadows()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync raises
+    try:
+        out = rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_rows(out, kv, idx[:4500])
+
+
+def test_no_new_cuda_memory_per_call(rt):
+    kv = fp8_pool(100_000, 1, 576, seed=15)
+    idx = rand_slots(8192, 100_000, seed=16)
+    w = FakeWrapper(idx, i32([0, 8192]))
+    backend_indptr = i32([0, 8192])
+    layer2 = fp8_pool(100_000, 1, 576, seed=16)  # another layer, same shape: same shadow
+    rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)
+        rt.kv_for_kernel(layer2, w, BF16)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert len(rt._shadows) == 1
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+def test_cuda_graph_replay_follows_in_place_indices_and_indptr(rt, monkeypatch):
+    def no_torch(*a, **k):
+        raise AssertionError("torch fallback used on CUDA")
+
+    monkeypatch.setattr(rt, "_gather_cast_torch", no_torch)
+    slots, cap_buf, bs = 150_000, 65_536, 3
+    kv = fp8_pool(slots, 1, 576, seed=17)
+    indices = torch.zeros(cap_buf, dtype=torch.int32, device=DEV)  # SGLang's fixed buffer
+    stale_n = 1000
+    wrapper_indptr = i32([0, 400, 700, stale_n])  # the wrapper's copy: stale on replay
+    backend_indptr = torch.zeros(9, dtype=torch.int32, device=DEV)  # max_bs + 1 entries
+    w = FakeWrapper(indices, wrapper_indptr)
+    gen = torch.Generator(device=DEV).manual_seed(18)
+
+    def fill(n):
+        # New valid entries, plus stale junk after them as SGLang leaves it.
+        indices.copy_(torch.randint(0, slots, (cap_buf,), generator=gen, device=DEV,
+                                    dtype=torch.int32))
+        backend_indptr.fill_(0)
+        backend_indptr[bs] = n
+
+    fill(stale_n)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: compile and allocate the shadow before capture
+            rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)
+
+    full = kv.to(BF16)  # a fresh full cast: the reference
+    for n in [stale_n, 20_000, 50, cap_buf, 7, 40_000, 10**8]:
+        fill(n)
+        rt.poison_shadows()
+        graph.replay()
+        torch.cuda.synchronize()
+        used = min(max(n, stale_n), cap_buf)
+        read = indices[: min(n, cap_buf)].long()
+        assert torch.equal(bits(out[read]), bits(full[read])), "replay with n=%d" % n
+        check_rows(out, kv, indices[:min(n, cap_buf)], allowed_units=indices[:used])
+
+
+# --------------------------------------------------------------------------- real FlashInfer (opt-in)
+
+
+@pytest.mark.skipif(os.environ.get("KVPATCH_TEST_FLASHINFER") != "1",
+                    reason="set KVPATCH_TEST_FLASHINFER=1 to run against a real FlashInfer "
+                           "(its JIT build can take minutes)")
+@pytest.mark.parametrize("kv_mode", ["gather", "native"])
+def test_real_flashinfer_wrapper_matches_full_cast(rt, monkeypatch, kv_mode):
+    flashinfer = pytest.importorskip("flashinfer")
+    monkeypatch.setenv("KVPATCH_MODE", kv_mode)
+    rt.reset()
+    bs, kv_len, heads, slots = 4, 300, 16, 20_000
+    g = torch.Generator(device=DEV).manual_seed(19)
+    kv = (torch.randn(slots, 1, 576, device=DEV, generator=g) * 0.5).to(FP8)  # realistic range
+    idx = rand_slots(bs * kv_len, slots, seed=20)
+    qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=DEV)
+    kv_indptr = qo_indptr * kv_len
+    kv_lens = torch.full((bs,), kv_len, dtype=torch.int32, device=DEV)
+    q = torch.randn(bs, heads, 576, dtype=BF16, device=DEV, generator=g)
+    workspace = torch.empty(128 << 20, dtype=torch.int8, device=DEV)
+
+    def planned(kv_dtype):
+        w = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace)
+        w.plan(qo_indptr, kv_indptr, idx, kv_lens, heads, 512, 64, 1, False, 0.1, BF16,
+               kv_dtype(w))
+        return w
+
+    w = planned(lambda w: rt.plan_kv_dtype(w, BF16, BF16, FP8, False))
+    k = rt.kv_for_kernel(kv, w, BF16, kv_indptr=kv_indptr)
+    o = w.run(q[..., :512], q[..., 512:], k[:, :, :512], k[:, :, 512:], **rt.run_kwargs(w))
+    full = kv.to(BF16)
+    ref_w = planned(lambda w: BF16)
+    ref = ref_w.run(q[..., :512], q[..., 512:], full[:, :, :512], full[:, :, 512:])
+    rel = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+    print("flashinfer", flashinfer.__version__, "mode", rt.mode(), "planned",
+          w._kvpatch_kv_dtype, "backend", w._backend, "rel err", rel)
+    if w._kvpatch_kv_dtype is BF16:
+        assert torch.equal(o, ref)  # same kernel, same bf16 values on every row it reads
+    else:
+        assert k is kv and rel < 0.05  # native FP8: no cast, close to the bf16 result
