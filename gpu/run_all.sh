@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, then runtime GPU tests, the
+# gather-kernel benchmark, verify on the patched real checkouts, the verify GPU
+# tests (sabotage included) and the attention benchmark. Logs go to $OUT.
+# Usage (device machine, repo root): bash gpu/run_all.sh [steps...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
+export FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache PYTHONUNBUFFERED=1
+steps=${*:-"info rt_tests gather verify vtests attention"}
+rc=0
+for s in $steps; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv;
+          python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__, torch.cuda.get_device_name())" ;;
+    rt_tests) python3 -m pytest -q -ra tests/gpu/test_runtime_gpu.py 2>&1 | tee "$OUT/rt_tests.log" ;;
+    gather) python3 benchmarks/bench_gather.py --out "$OUT/bench_gather.json" 2>&1 | tee "$OUT/bench_gather.log" ;;
+    verify) python3 gpu/verify_real.py .gpu_payload/* 2>&1 | tee "$OUT/verify_real.log" ;;
+    vtests) python3 -m pytest -q -ra tests/gpu/test_verify_gpu.py 2>&1 | tee "$OUT/verify_tests.log" ;;
+    attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
+    *) echo "unknown step $s" ;;
+  esac
+  r=${PIPESTATUS[0]}; echo "=== $s rc=$r"; [ "$r" = 0 ] || rc=1
+done
+exit $rc

@@ -1,0 +1,173 @@
+"""Which files of a patched checkout to verify, and their original text (no torch)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+STATE = ".kvpatch/state.json"
+ORIGINALS = ".kvpatch/originals"
+RUNTIME_NAME = "_kvpatch_runtime"
+SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".kvpatch", ".tox", ".nox",
+             ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
+
+# The classes the harness knows how to drive; a patched file without them is
+# reported as skipped (verify covers the FlashInfer MLA backend only).
+BACKEND_CLASS = "FlashInferMLAAttnBackend"
+DECODE_UPDATER = "FlashInferMLAIndicesUpdaterDecode"
+PREFILL_UPDATER = "FlashInferMLAIndicesUpdaterPrefill"
+
+
+@dataclass
+class Target:
+    rel: str                     # checkout-relative posix path of the patched file
+    path: Path                   # the patched file itself (the code under test)
+    original: Optional[str]      # original source text, None when not found
+    original_from: str           # where the original came from (for messages)
+    runtime: Path                # the sibling _kvpatch_runtime.py
+    problem: str = ""            # non-empty: cannot be verified, and why (a failure)
+    skip: str = ""               # non-empty: not a file this harness drives (not a failure)
+
+
+def qualname_map(source: str) -> List[Tuple[int, int, str]]:
+    """(first line, last line, Class.method) of every function, innermost last."""
+    out: List[Tuple[int, int, str]] = []
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}.{child.name}" if prefix else child.name
+                if not isinstance(child, ast.ClassDef):
+                    out.append((child.lineno, getattr(child, "end_lineno", child.lineno), name))
+                walk(child, name)
+
+    try:
+        walk(ast.parse(source), "")
+    except SyntaxError:
+        pass
+    return out
+
+
+def qualname_at(qmap: List[Tuple[int, int, str]], line: int) -> str:
+    best = ""
+    for first, last, name in qmap:
+        if first <= line <= last:
+            best = name  # later entries are nested deeper
+    return best or "<module>"
+
+
+def defines_backend(source: str) -> bool:
+    """True if the file defines the backend and its updaters (SyntaxError propagates)."""
+    tree = ast.parse(source)
+    names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    return {BACKEND_CLASS, DECODE_UPDATER, PREFILL_UPDATER} <= names
+
+
+def _git(root: Path, *args: str) -> Optional[str]:
+    try:
+        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.decode("utf-8", "replace") if r.returncode == 0 else None
+
+
+def _git_base(root: Path) -> Optional[str]:
+    """HEAD~1 when HEAD is kvpatch's own commit, else HEAD."""
+    msg = _git(root, "log", "-1", "--format=%s", "HEAD")
+    if msg is None:
+        return None
+    return "HEAD~1" if msg.strip().startswith("kvpatch:") else "HEAD"
+
+
+def _git_original(root: Path, rel: str) -> Tuple[Optional[str], str]:
+    base = _git_base(root)
+    if base is None:
+        return None, "no .kvpatch/state.json and not a git checkout"
+    prefix = (_git(root, "rev-parse", "--show-prefix") or "").strip()
+    text = _git(root, "show", f"{base}:{prefix}{rel}")
+    if text is None:
+        return None, f"git has no {base}:{prefix}{rel}"
+    return text, f"git {base}:{prefix}{rel}"
+
+
+def _scan_patched(root: Path) -> List[str]:
+    """Checkout-relative paths of files that import the injected runtime."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        for fn in sorted(filenames):
+            if not fn.endswith(".py") or fn == f"{RUNTIME_NAME}.py":
+                continue
+            p = Path(dirpath) / fn
+            try:
+                if RUNTIME_NAME.encode() in p.read_bytes():
+                    found.append(p.relative_to(root).as_posix())
+            except OSError:
+                continue
+    return found
+
+
+def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
+    """The files to verify and notes on how they were found."""
+    root = Path(root)
+    notes: List[str] = []
+    entries: List[Dict] = []
+    state_path = root / STATE
+    from_state = state_path.is_file()
+    if from_state:
+        try:
+            state = json.loads(state_path.read_text())
+            entries = list(state.get("files") or [])
+            notes.append(f"targets from {STATE}")
+        except (OSError, ValueError) as exc:
+            return [Target(STATE, state_path, None, "", state_path,
+                           problem=f"unreadable {STATE}: {exc}")], notes
+    else:
+        entries = [{"path": rel} for rel in _scan_patched(root)]
+        notes.append("no .kvpatch/state.json: targets are the files that import "
+                     f"{RUNTIME_NAME}, originals from git")
+
+    targets = []
+    for e in entries:
+        rel = str(e.get("path", "")).replace(os.sep, "/")
+        path = root / rel
+        t = Target(rel, path, None, "", path.parent / f"{RUNTIME_NAME}.py")
+        targets.append(t)
+        if not path.is_file():
+            t.problem = f"patched file {rel} is missing"
+            continue
+        if from_state:
+            orig = root / (e.get("original_copy") or f"{ORIGINALS}/{rel}")
+            if orig.is_file():
+                t.original = orig.read_text(encoding="utf-8")
+                t.original_from = orig.relative_to(root).as_posix()
+            else:
+                t.problem = f"original copy {orig.relative_to(root).as_posix()} is missing"
+                continue
+        else:
+            t.original, t.original_from = _git_original(root, rel)
+            if t.original is None:
+                t.problem = f"original of {rel} not found ({t.original_from})"
+                continue
+        patched = path.read_text(encoding="utf-8")
+        try:
+            is_backend = defines_backend(patched)
+        except SyntaxError as exc:
+            t.problem = f"patched file {rel} does not parse: line {exc.lineno}: {exc.msg}"
+            continue
+        if not is_backend:
+            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters; "
+                      "verify drives the FlashInfer MLA backend only")
+        elif patched == t.original:
+            t.problem = f"{rel} is identical to its original ({t.original_from}): not patched"
+        elif RUNTIME_NAME in t.original:
+            t.problem = (f"the original of {rel} ({t.original_from}) already imports "
+                         f"{RUNTIME_NAME}: not an unpatched original")
+        elif not t.runtime.is_file():
+            t.problem = f"runtime {t.runtime.relative_to(root).as_posix()} is missing"
+    return targets, notes

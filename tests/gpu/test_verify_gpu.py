@@ -1,0 +1,141 @@
+"""kvpatch verify on a CUDA GPU: real FlashInfer (when importable), captured CUDA graphs,
+native FP8. Skipped, with the reason, where there is no CUDA device."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the GPU verify tests need one (the CPU path is "
+                "tests/test_verify_cpu.py)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_verify_cpu import (GOLDEN, SHIFTED, SHORT, STALE, _sub_first,  # noqa: E402
+                             failures_text, make_checkout)
+
+from kvpatch.verify import run_verify  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+try:
+    import flashinfer
+    HAVE_FI = hasattr(flashinfer, "BatchMLAPagedAttentionWrapper")
+except Exception:  # not installed, or broken
+    HAVE_FI = False
+SM90 = torch.cuda.get_device_capability()[0] == 9
+needs_fi = pytest.mark.skipif(not HAVE_FI, reason="FlashInfer is not importable")
+
+
+def verify(root, **kw):
+    kw.setdefault("device", "cuda")
+    kw.setdefault("quick", True)
+    return run_verify(root, log=print, **kw)
+
+
+@needs_fi
+@pytest.mark.parametrize("causal,fp8", [(False, False), (True, False), (False, True), (True, True)])
+def test_reference_matches_flashinfer(causal, fp8):
+    """The CPU path's reference kernel computes what FlashInfer computes (same causal
+    convention), so a pass on CPU means something."""
+    if fp8 and not SM90:
+        pytest.skip("FP8 MLA needs SM90")
+    from kvpatch.verify.reference import BatchMLAPagedAttentionWrapper as Ref
+    g = torch.Generator(device="cuda").manual_seed(0)
+    slots, heads = 8192, 16
+    kv = torch.randn((slots, 1, 576), generator=g, device="cuda").to(torch.float8_e4m3fn)
+    kv_lens = [300, 1, 1024] if causal else [777, 1, 2048]
+    q_lens = [77, 1, 256] if causal else [1, 1, 1]
+    idx = torch.randperm(slots, generator=g, device="cuda")[: sum(kv_lens)].to(torch.int32)
+    kv_indptr = torch.tensor([0] + [sum(kv_lens[:i + 1]) for i in range(3)], dtype=torch.int32,
+                             device="cuda")
+    qo = torch.tensor([0] + [sum(q_lens[:i + 1]) for i in range(3)], dtype=torch.int32,
+                      device="cuda")
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    qn = torch.randn((sum(q_lens), heads, 512), generator=g, device="cuda").to(torch.bfloat16)
+    qp = torch.randn((sum(q_lens), heads, 64), generator=g, device="cuda").to(torch.bfloat16)
+    cache = kv if fp8 else kv.to(torch.bfloat16)
+    kvd = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    kw = {"ckv_scale": 1.0, "kpe_scale": 1.0} if fp8 else {}
+    outs = []
+    for W in (flashinfer.BatchMLAPagedAttentionWrapper, Ref):
+        w = W(torch.empty(384 << 20, dtype=torch.uint8, device="cuda"), backend="auto")
+        w.plan(qo, kv_indptr, idx, lens, heads, 512, 64, 1, causal, 1 / math.sqrt(192),
+               torch.bfloat16, kvd)
+        outs.append(w.run(qn, qp, cache[:, :, :512], cache[:, :, 512:], **kw).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+
+
+def test_golden_patch_passes_on_gpu(tmp_path):
+    r = verify(make_checkout(tmp_path), quick=False)
+    print(r.format())
+    assert r.ok, r.format()
+    assert r.gpu_ran and r.device.startswith("cuda")
+    gather = [c for c in r.cases if c.mode == "gather"]
+    assert gather and all(c.passed and c.identical_share == 1.0 for c in gather)
+    if not HAVE_FI:
+        assert r.kernel == "reference" and "FlashInfer not importable" in r.reason
+        return
+    assert r.kernel == "flashinfer"
+    assert {c.exec for c in gather if c.path == "decode"} == {"eager", "graph"}
+    native = [c for c in r.cases if c.mode == "native"]
+    if SM90:
+        assert native and all(c.passed for c in native), r.format()
+        assert {c.kv_path for c in native} == {"native"}
+        assert all(c.max_abs_err is not None and c.max_abs_err < 0.1 for c in native)
+    else:
+        assert all(c.status == "skipped" for c in native)
+
+
+@pytest.mark.parametrize("runtime_text", [SHIFTED, SHORT], ids=["shifted", "short"])
+def test_catches_wrong_rows_on_gpu(tmp_path, runtime_text):
+    # On CUDA the runtime's Triton kernel does the gather (the torch path on CPU).
+    r = verify(make_checkout(tmp_path, runtime_text=runtime_text), modes=("gather",))
+    assert not r.ok
+    assert {c.qualname for c in r.failures} == {
+        "FlashInferMLAAttnBackend.forward_decode", "FlashInferMLAAttnBackend.forward_extend"}
+    assert "output differs from the original" in failures_text(r)
+
+
+def test_catches_stale_indptr_under_graph(tmp_path):
+    r = verify(make_checkout(tmp_path, runtime_text=STALE), modes=("gather",))
+    assert all(c.passed for c in r.cases if c.exec == "eager")
+    assert r.failures and all("replay longer" in c.batch for c in r.failures)
+    if HAVE_FI:
+        assert {c.exec for c in r.failures} == {"graph"}  # a real captured graph
+
+
+def test_catches_prefill_site_left_unpatched_on_gpu(tmp_path):
+    text = _sub_first(
+        r"_kvpatch_rt\.kv_for_kernel\(\s*(self\.token_to_kv_pool\.get_key_buffer\("
+        r"layer\.layer_id\)),\s*prefill_wrapper_paged,[^)]*\)", r"\1.to(q.dtype)",
+        GOLDEN.read_text())
+    r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",))
+    assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_extend"}
+    assert all("full-pool cast not removed" in c.message for c in r.failures)
+
+
+@needs_fi
+def test_catches_plan_dtype_mismatch_on_gpu(tmp_path):
+    if not SM90:
+        pytest.skip("FlashInfer accepts an FP8 MLA plan only on SM90")
+    text = _sub_first(r"_kvpatch_rt\.plan_kv_dtype\([^)]*\)", "torch.float8_e4m3fn",
+                      GOLDEN.read_text(), within="class FlashInferMLAIndicesUpdaterDecode")
+    r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",))
+    assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_decode"}
+    assert "does not match the planned kv_data_type=torch.float8_e4m3fn" in failures_text(r)
+
+
+@needs_fi
+def test_catches_missing_run_kwargs_in_native(tmp_path):
+    if not SM90:
+        pytest.skip("native FP8 MLA needs SM90")
+    text = GOLDEN.read_text().replace("**_kvpatch_rt.run_kwargs(decode_wrapper),", "")
+    r = verify(make_checkout(tmp_path, patched_text=text), modes=("native",))
+    assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_decode"}
+    assert re.search(r"ckv_scale|kpe_scale", failures_text(r))
