@@ -288,8 +288,9 @@ def native_wrapper(backend="fa3"):
 
 def test_plan_kv_dtype_native_and_recorded(rt, monkeypatch):
     fake_native_host(monkeypatch, rt)
+    set_mode(monkeypatch, rt, "native")
     w = native_wrapper()
-    assert rt.mode() == "native"  # auto on a capable host
+    assert rt.mode() == "native"
     assert rt.plan_kv_dtype(w, BF16, BF16, FP8, False) is FP8
     assert w._kvpatch_kv_dtype is FP8
     assert rt.run_kwargs(w) == {"ckv_scale": 1.0, "kpe_scale": 1.0}
@@ -317,7 +318,9 @@ def test_plan_kv_dtype_native_and_recorded(rt, monkeypatch):
         dict(cap=(8, 0)),
         dict(cap=(10, 0)),
         dict(cap=None),
-        dict(causal=True),  # prefill/verify under auto
+        dict(causal=True),  # prefill/verify: always gathered
+        dict(causal=True, env="native"),
+        dict(env="auto"),  # auto prefers the fused gather when Triton is there
         dict(device="cpu"),
         dict(env="gather"),
         dict(env="off"),
@@ -325,9 +328,9 @@ def test_plan_kv_dtype_native_and_recorded(rt, monkeypatch):
     ids=lambda c: ",".join("%s=%s" % kv for kv in c.items()),
 )
 def test_plan_kv_dtype_never_fp8_when_unsupported(rt, monkeypatch, case):
-    if "env" in case:
-        set_mode(monkeypatch, rt, case["env"])
+    set_mode(monkeypatch, rt, case.get("env", "native"))
     fake_native_host(monkeypatch, rt, case.get("version", "0.6.18.post1"), case.get("cap", (9, 0)))
+    monkeypatch.setattr(rt, "_triton_available", lambda: True)
     w = FakeWrapper(i32([0]), i32([0, 1]), backend=case.get("backend", "fa3"),
                     device=case.get("device", "cuda"))
     kv_dtype = BF16
@@ -344,15 +347,16 @@ def test_plan_kv_dtype_never_fp8_when_unsupported(rt, monkeypatch, case):
      ("0.7.0rc1", "fa2", FP8), ("0.6.18.post1+cu130", "fa2", FP8)],
 )
 def test_plan_kv_dtype_version_gates(rt, monkeypatch, version, backend, expect):
+    set_mode(monkeypatch, rt, "native")
     fake_native_host(monkeypatch, rt, version)
     assert rt.plan_kv_dtype(native_wrapper(backend), BF16, BF16, FP8, False) is expect
 
 
-def test_causal_plans_are_native_only_when_forced(rt, monkeypatch):
-    fake_native_host(monkeypatch, rt)
-    assert rt.plan_kv_dtype(native_wrapper(), BF16, BF16, FP8, True) is BF16
+def test_causal_plans_never_native(rt, monkeypatch):
     set_mode(monkeypatch, rt, "native")
-    assert rt.plan_kv_dtype(native_wrapper(), BF16, BF16, FP8, True) is FP8
+    fake_native_host(monkeypatch, rt)
+    assert rt.plan_kv_dtype(native_wrapper(), BF16, BF16, FP8, False) is FP8
+    assert rt.plan_kv_dtype(native_wrapper(), BF16, BF16, FP8, True) is BF16
 
 
 def test_run_kwargs_unplanned_wrapper_is_empty(rt):
@@ -361,6 +365,7 @@ def test_run_kwargs_unplanned_wrapper_is_empty(rt):
 
 
 def test_plan_kv_dtype_on_an_object_without_dict(rt, monkeypatch):
+    set_mode(monkeypatch, rt, "native")
     fake_native_host(monkeypatch, rt)
     assert rt.plan_kv_dtype(object(), BF16, BF16, FP8, False) is BF16
 
@@ -394,12 +399,15 @@ def test_mode_is_cached_until_reset(rt, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "cuda, version, expect",
-    [(True, "0.6.18.post1", "native"), (True, "0.6.14", "native"), (True, "0.6.13", "gather"),
-     (True, None, "gather"), (False, "0.6.18.post1", "gather")],
+    "cuda, triton, version, expect",
+    [(True, True, "0.6.18.post1", "gather"),  # the fused gather beats the FP8 kernel
+     (True, False, "0.6.18.post1", "native"), (True, False, "0.6.14", "native"),
+     (True, False, "0.6.13", "gather"), (True, False, None, "gather"),
+     (False, False, "0.6.18.post1", "gather")],
 )
-def test_auto_mode_resolution(rt, monkeypatch, cuda, version, expect):
+def test_auto_mode_resolution(rt, monkeypatch, cuda, triton, version, expect):
     monkeypatch.setattr(rt, "_cuda_available", lambda: cuda)
+    monkeypatch.setattr(rt, "_triton_available", lambda: triton)
     monkeypatch.setattr(rt, "_flashinfer_version", lambda: version)
     assert rt.mode() == expect
 

@@ -40,7 +40,7 @@ _FA2_MIN = (0, 6, 18)
 _FP8 = torch.float8_e4m3fn
 
 # Kernel launch constants; benchmarks/bench_gather.py sweeps them.
-TUNING = {"block_rows": 32, "num_warps": 8, "programs_per_sm": 4}
+TUNING = {"block_rows": 16, "num_warps": 4, "programs_per_sm": 16}  # best of the H200 sweep
 
 _requested = None  # KVPATCH_MODE as parsed
 _mode = None  # resolved mode
@@ -163,15 +163,35 @@ def _native_available():
     return _cuda_available() and _at_least(_parse_version(_flashinfer_version()), _FA3_MIN)
 
 
+def _triton_available():
+    if "triton" not in _probe_cache:
+        try:
+            import triton  # noqa: F401
+
+            _probe_cache["triton"] = True
+        except Exception:
+            _probe_cache["triton"] = False
+    return _probe_cache["triton"]
+
+
 def mode():
-    """'native', 'gather' or 'off', resolved once per process from KVPATCH_MODE."""
+    """'native', 'gather' or 'off', resolved once per process from KVPATCH_MODE.
+
+    auto picks the faster path measured on an H200 (notes/gpu-runs.md): the fused
+    gathered cast (decode 1x4096 on a 495,552-slot pool: 27 us vs 53 us for FlashInfer
+    0.6.18's FP8 kernel). It picks native only on CUDA without Triton, where the
+    gather would be the slow torch fallback.
+    """
     global _requested, _mode
     if _mode is None:
         requested = _requested_mode()
         resolved = requested
-        if requested in ("auto", "native"):
+        if requested == "auto":
+            use_native = _cuda_available() and not _triton_available() and _native_available()
+            resolved = "native" if use_native else "gather"
+        elif requested == "native":
             resolved = "native" if _native_available() else "gather"
-            if requested == "native" and resolved == "gather":
+            if resolved == "gather":
                 # Old FlashInfer accepts an FP8 MLA plan unchecked and returns garbage.
                 logger.warning(
                     "KVPATCH_MODE=native needs CUDA and FlashInfer >= %s (found %s); "
@@ -193,8 +213,10 @@ def _native_ok(wrapper, q_dtype, kv_cache_dtype, causal):
     # uint8 maps to an FP4 kernel in FlashInfer; e5m2 is not supported: e4m3fn only.
     if kv_cache_dtype is not _FP8 or q_dtype is not torch.bfloat16:
         return False
-    # Under auto, prefill/verify plans keep the gathered cast (see docs/runtime.md).
-    if causal and _requested != "native":
+    # Causal (prefill, verify) plans always gather: their consumer can also receive
+    # the DCP branch's compact bf16 buffer, and FlashInfer 0.6.18's FP8 prefill
+    # kernel ran at 0.4-0.8x of the unpatched bf16 path on the H200.
+    if causal:
         return False
     device = getattr(wrapper, "device", None)
     if not isinstance(device, torch.device) or device.type != "cuda":
