@@ -86,7 +86,10 @@ def test_golden_patch_passes_on_gpu(tmp_path):
     native = [c for c in r.cases if c.mode == "native"]
     if SM90:
         assert native and all(c.passed for c in native), r.format()
-        assert {c.kv_path for c in native} == {"native"}
+        # Decode plans go native; causal (prefill) plans always keep the gathered cast.
+        assert {c.kv_path for c in native if c.path == "decode"} == {"native"}
+        assert {c.kv_path for c in native if c.path == "prefill"} == {"gather"}
+        assert all(c.identical_share == 1.0 for c in native if c.path == "prefill")
         assert all(c.max_abs_err is not None and c.max_abs_err < 0.1 for c in native)
     else:
         assert all(c.status == "skipped" for c in native)
