@@ -21,8 +21,15 @@ MLA_WRAPPER = re.compile(rb"BatchMLAPagedAttentionWrapper")
 PLAN = re.compile(rb"\.plan\b|fast_mla_decode_plan")
 
 
+# The same markers as plain substrings: `bytes in` is ~5x faster than the regex.
+_MARKER_LITERALS = (b"get_key_buffer", b"get_value_buffer", b"get_kv_buffer", b"get_mla_kv_buffer",
+                    b"_kvpatch_runtime", b"kv_for_kernel", b"plan_kv_dtype")
+
+
 def is_candidate(data: bytes) -> bool:
-    return bool(MARKERS.search(data) or (MLA_WRAPPER.search(data) and PLAN.search(data)))
+    if any(lit in data for lit in _MARKER_LITERALS):  # == MARKERS.search(data)
+        return True
+    return b"BatchMLAPagedAttentionWrapper" in data and bool(PLAN.search(data))
 
 # Never descended into: VCS data, caches, our own state, virtualenvs.
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".kvpatch", ".tox", ".nox",

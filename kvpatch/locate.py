@@ -9,6 +9,8 @@ functions (see ``units``). Nothing here decides what a site *is*.
 from __future__ import annotations
 
 import ast
+import bisect
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -91,11 +93,12 @@ def _has_getter(node: ast.AST) -> bool:
     return any(isinstance(n, ast.Call) and _call_name(n) in KV_GETTERS for n in ast.walk(node))
 
 
-def _tainted(fn: ast.AST) -> Set[str]:
+def _tainted(fn: ast.AST, nodes: Optional[List[ast.AST]] = None) -> Set[str]:
     """Names that may hold (a view of) a KV buffer: flow-insensitive, so it
-    over-approximates the libcst analysis and never drops a real site."""
+    over-approximates the libcst analysis and never drops a real site.
+    `nodes`: ast.walk(fn), when the caller has it already."""
     pairs = []
-    for n in ast.walk(fn):
+    for n in (nodes if nodes is not None else ast.walk(fn)):
         if isinstance(n, ast.Assign):
             pairs += [(t, n.value) for t in n.targets]
         elif isinstance(n, (ast.AnnAssign, ast.AugAssign)) and n.value is not None:
@@ -104,24 +107,44 @@ def _tainted(fn: ast.AST) -> Set[str]:
             pairs.append((n.target, n.iter))
         elif isinstance(n, ast.NamedExpr):
             pairs.append((n.target, n.value))
+    # Each side is walked once; the fixed point then only intersects sets.
+    facts = [(_has_getter(value), _names_in(value), _names_in(target)) for target, value in pairs]
     tainted: Set[str] = set()
     changed = True
     while changed:
         changed = False
-        for target, value in pairs:
-            if _has_getter(value) or _names_in(value) & tainted:
-                new = _names_in(target) - tainted
+        for getter, reads, binds in facts:
+            if getter or reads & tainted:
+                new = binds - tainted
                 if new:
                     tainted |= new
                     changed = True
     return tainted
 
 
+class MarkerLines:
+    """The lines of a file's text that spell a name `_why` looks for. A
+    function none of whose lines does cannot get a reason, so it is not
+    walked at all (most functions of a candidate file)."""
+
+    _NAMES = re.compile("|".join(sorted(KV_GETTERS | RUNTIME_CALLS)) + r"|plan")
+    _BREAK = re.compile(r"\r\n|\r|\n")
+
+    def __init__(self, text: str) -> None:
+        starts = [0] + [m.end() for m in self._BREAK.finditer(text)]
+        self.lines = sorted({bisect.bisect_right(starts, m.start()) for m in self._NAMES.finditer(text)})
+
+    def any_in(self, start: int, end: int) -> bool:
+        i = bisect.bisect_left(self.lines, start)
+        return i < len(self.lines) and self.lines[i] <= end
+
+
 def _why(fn: ast.AST, uses_mla_wrapper: bool) -> Set[str]:
     why: Set[str] = set()
-    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+    nodes = list(ast.walk(fn))
+    calls = [n for n in nodes if isinstance(n, ast.Call)]
     if any(_call_name(n) in KV_GETTERS for n in calls):
-        tainted = _tainted(fn)
+        tainted = _tainted(fn, nodes)
         for n in calls:
             name = _call_name(n)
             if isinstance(n.func, ast.Attribute) and (
@@ -141,9 +164,22 @@ def _why(fn: ast.AST, uses_mla_wrapper: bool) -> Set[str]:
     return why
 
 
+def _statements(fn: ast.AST):
+    """fn and every statement under it (nested bodies included), skipping
+    expressions: assignments are statements, so nothing they hold is missed."""
+    stack = [fn]
+    while stack:
+        n = stack.pop()
+        yield n
+        for name in n._fields:
+            v = getattr(n, name, None)
+            if isinstance(v, list):
+                stack.extend(x for x in v if isinstance(x, (ast.stmt, ast.excepthandler, ast.match_case)))
+
+
 def _self_attrs(fn: ast.AST, self_name: str) -> Set[str]:
     attrs: Set[str] = set()
-    for n in ast.walk(fn):
+    for n in _statements(fn):
         targets: List[ast.AST] = []
         if isinstance(n, ast.Assign):
             targets = n.targets
@@ -162,12 +198,17 @@ def _first_line(node) -> int:
     return min([node.lineno] + [d.lineno for d in decs])
 
 
-def locate(tree: ast.Module) -> Located:
+def locate(tree: ast.Module, text: Optional[str] = None) -> Located:
+    """`text`, the module's source, lets locate skip the functions (and the
+    module-wide walk) that cannot matter; the result is the same."""
     units: List[Unit] = []
     classes: Dict[str, ClassFacts] = {}
     mod = ModuleFacts()
+    marks = MarkerLines(text) if text is not None else None
+    method_nodes: Dict[str, List[Tuple[ast.AST, str]]] = {}
+    module_walk = text is None or MLA_WRAPPER in text or "_kvpatch_runtime" in text
 
-    for n in ast.walk(tree):
+    for n in (ast.walk(tree) if module_walk else ()):
         if isinstance(n, ast.Name) and n.id == MLA_WRAPPER:
             mod.uses_mla_wrapper = True
         elif isinstance(n, ast.Attribute) and n.attr == MLA_WRAPPER:
@@ -197,19 +238,20 @@ def locate(tree: ast.Module) -> Located:
                 cq = ".".join(class_chain) if class_chain else None
                 args = stmt.args.posonlyargs + stmt.args.args
                 first = args[0].arg if args else None
+                start, end = _first_line(stmt), stmt.end_lineno or stmt.lineno
                 unit = Unit(
                     qualname=(cq + "." if cq else "") + stmt.name,
                     class_qualname=cq,
                     name=stmt.name,
-                    start=_first_line(stmt),
-                    end=stmt.end_lineno or stmt.lineno,
+                    start=start,
+                    end=end,
                     first_param=first,
-                    why=_why(stmt, mod.uses_mla_wrapper),
+                    why=_why(stmt, mod.uses_mla_wrapper) if marks is None or marks.any_in(start, end) else set(),
                 )
                 if cq:
                     facts = classes[cq]
                     if first:
-                        facts.self_attrs |= _self_attrs(stmt, first)
+                        method_nodes.setdefault(cq, []).append((stmt, first))
                     if "plan" in unit.why:
                         facts.has_mla_plan = True
                     if stmt.name == "__init__":
@@ -233,4 +275,8 @@ def locate(tree: ast.Module) -> Located:
     for facts in classes.values():
         if facts.has_mla_plan and facts.init is not None:
             facts.init.why.add("init")
+    # Only the classes of the units that matter are asked about their attributes.
+    for cq in {u.class_qualname for u in units if u.why and u.class_qualname}:
+        for stmt, first in method_nodes.get(cq, ()):
+            classes[cq].self_attrs |= _self_attrs(stmt, first)
     return Located([u for u in units if u.why], classes, mod)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
-import libcst.matchers as m
 
 from kvpatch.dataflow import Definition, FunctionFlow, analyze
 from kvpatch.locate import ClassFacts, ModuleFacts, Unit
@@ -31,7 +30,26 @@ GATHER_METHODS = {"index_select", "gather", "take", "masked_select", "take_along
 CAST_METHODS = {"float", "half", "bfloat16", "double"}
 RUNTIME_FN = "kv_for_kernel"
 
-M_TO = m.Call(func=m.Attribute(attr=m.Name("to")))
+
+
+# Plain isinstance tests instead of libcst.matchers: importing that module costs
+# ~0.2 s, a tenth of a whole-checkout audit, and these are all the shapes needed.
+def is_attr(node: Optional[cst.CSTNode], names) -> bool:
+    """`X.<name>` for a name in `names` (m.Attribute(attr=m.OneOf(m.Name(...))))."""
+    return isinstance(node, cst.Attribute) and node.attr.value in names
+
+
+def attr_call(node: Optional[cst.CSTNode], names) -> bool:
+    """`X.<name>(...)` for a name in `names` (m.Call(func=m.Attribute(attr=m.OneOf(...))))."""
+    return isinstance(node, cst.Call) and is_attr(node.func, names)
+
+
+def __getattr__(name: str):
+    if name == "M_TO":  # the old matcher, built only if someone still asks for it
+        import libcst.matchers as m
+
+        return m.Call(func=m.Attribute(attr=m.Name("to")))
+    raise AttributeError(name)
 
 
 @dataclass
@@ -141,13 +159,11 @@ class UnitContext:
     def origin(self, expr: cst.BaseExpression, depth: int = 0) -> Origin:
         if depth > 12:
             return Origin(None)
-        if m.matches(expr, m.Call(func=m.Attribute(attr=m.OneOf(*[m.Name(g) for g in POOL_GETTERS])))):
+        if attr_call(expr, POOL_GETTERS):
             return Origin("pool", [expr])
         if isinstance(expr, cst.Subscript):
             inner = self.origin(expr.value, depth + 1)
-            if inner.kind is None and m.matches(
-                expr.value, m.Call(func=m.Attribute(attr=m.OneOf(*[m.Name(g) for g in TUPLE_GETTERS])))
-            ):
+            if inner.kind is None and attr_call(expr.value, TUPLE_GETTERS):
                 return Origin("pool", [expr.value]) if _int_subscript(expr) else Origin(None)
             if inner.kind in ("pool", "mixed") and not _whole_rows(expr):
                 return Origin("gathered", inner.getters, inner.others, inner.via_names)
@@ -193,7 +209,7 @@ class UnitContext:
         if d.kind in ("assign", "aug") and d.value is not None:
             return self.origin(d.value, depth)
         if d.kind == "unpack" and d.source is not None:
-            if m.matches(d.source, m.Call(func=m.Attribute(attr=m.OneOf(*[m.Name(g) for g in TUPLE_GETTERS])))):
+            if attr_call(d.source, TUPLE_GETTERS):
                 return Origin("pool", [d.source])
             if isinstance(d.source, cst.Call) and isinstance(d.source.func, cst.Attribute) \
                     and d.source.func.attr.value in ("split", "chunk", "unbind"):
@@ -320,7 +336,8 @@ def _device_like(e: cst.BaseExpression) -> bool:
         return True
     if isinstance(e, cst.Name) and "device" in e.value.lower():
         return True
-    if isinstance(e, cst.Call) and m.matches(e.func, m.Attribute(attr=m.Name("device")) | m.Name("device")):
+    if isinstance(e, cst.Call) and (is_attr(e.func, ("device",))
+                                    or (isinstance(e.func, cst.Name) and e.func.value == "device")):
         return True
     return False
 
