@@ -133,9 +133,10 @@ def main(ctx, color, quiet, verbose):
               help="Write the JSON/SARIF/table to this file instead of stdout.")
 @click.option("--against", metavar="REF", help="Upgrade audit: compare with git REF of the same checkout.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
+@click.option("-q", "--quiet", "quiet", is_flag=True, help="Only results and errors (as `kvpatch -q audit`).")
 @_rules_opt
 @click.pass_obj
-def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, rules):
+def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, rules, quiet=False):
     """Report every KV-cache cast and FlashInfer MLA plan() call under PATH.
 
     Each site gets file:line, Class.method, prefill/decode path, backend, the
@@ -150,6 +151,8 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
     """
     if as_json and as_sarif:
         raise click.UsageError("--json and --sarif exclude each other")
+    if quiet:
+        out.quiet = True
     select = _split(rules)
     rule_objs = _check_rules(select, out)
     root = _root(path, out)
@@ -284,7 +287,7 @@ def revert(out: Out, path, force, no_commit, allow_dirty):
     root = _root(path, out)
     try:
         res = P.revert(root, force=force, no_commit=no_commit, allow_dirty=allow_dirty)
-    except P.PatchError as exc:
+    except (P.PatchError, ValueError) as exc:  # ValueError: an unreadable state record
         out.error(str(exc))
         sys.exit(EXIT_ERROR)
     if res.notice:

@@ -192,6 +192,8 @@ def apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=N
           patch: Optional[Patch] = None) -> ApplyResult:
     root = root.resolve()
     recovered = write.rollback(root) if write.pending(root) else []
+    if recovered:
+        patch = None  # built from the half-written files: build it again from the restored ones
     info = checkout.git_info(root)
     if info is not None and not allow_dirty:
         dirty = [p for p in checkout.dirty_paths(info, root) if not p.startswith(STATE_DIR)]
