@@ -68,7 +68,8 @@ def sglang_version(root: Path) -> Optional[str]:
         p = root / rel
         if p.exists():
             m = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", p.read_text(encoding="utf-8", errors="replace"))
-            if m:
+            # setuptools-scm checkouts carry a literal "0.0.0..." fallback: not a version.
+            if m and not re.fullmatch(r"0\.0\.0(\.dev\d*)?", m.group(1)):
                 return m.group(1)
     return None
 

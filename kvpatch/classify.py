@@ -39,7 +39,7 @@ def _guard_text(d: Definition, ctx: UnitContext) -> str:
     test, polarity = d.guards[-1]
     if isinstance(test, (cst.For, cst.While)):
         return "inside a loop"
-    code = ctx.code(test)
+    code = " ".join(ctx.code(test).split())  # one line: a reason is one line of the table
     return f"under `if {code}`" if polarity else f"in the else of `if {code}`"
 
 

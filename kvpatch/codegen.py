@@ -57,6 +57,36 @@ class _Absolute(cst.CSTTransformer):
         return updated.with_changes(indent=False)
 
 
+def moved_code(node: cst.CSTNode, block_indent: str, shift: str) -> str:
+    """Source of `node` (from a statement indented `block_indent`) as it reads
+    when moved one level deeper, e.g. into an argument list: continuation lines
+    keep their layout, `shift` further in. Multi-line strings are left alone."""
+
+    class Absolute(cst.CSTTransformer):
+        def leave_ParenthesizedWhitespace(self, original, updated):
+            if not updated.indent:
+                return updated
+            return updated.with_changes(indent=False, last_line=cst.SimpleWhitespace(
+                block_indent + updated.last_line.value))
+
+    code = cst.Module(body=[]).code_for_node(node.visit(Absolute())).strip()
+    if "\n" not in code or any("\n" in s.value for s in _strings(node)):
+        return code
+    first, *rest = code.split("\n")
+    return "\n".join([first] + [shift + ln if ln.strip() else ln for ln in rest])
+
+
+def _strings(node: cst.CSTNode) -> List[cst.SimpleString]:
+    out: List[cst.SimpleString] = []
+
+    class V(cst.CSTVisitor):
+        def visit_SimpleString(self, n):
+            out.append(n)
+
+    node.visit(V())
+    return out
+
+
 def parse_expr(text: str) -> cst.BaseExpression:
     node = cst.parse_expression(text)
     return node.visit(_Absolute()) if "\n" in text else node
@@ -71,9 +101,25 @@ def append_star_kwargs(call: cst.Call, value: cst.BaseExpression) -> cst.Call:
     last = args[-1]
     if len(args) >= 2 and isinstance(args[-2].comma, cst.Comma):
         sep = args[-2].comma
+        ws = sep.whitespace_after
+        if isinstance(ws, cst.ParenthesizedWhitespace):
+            # Copy the layout (newline + indent), never the comments in it: they
+            # belong to the arguments around that comma.
+            sep = sep.with_changes(whitespace_after=ws.with_changes(
+                first_line=cst.TrailingWhitespace(), empty_lines=[]))
     else:
         sep = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
-    if isinstance(last.comma, cst.Comma):
+    if isinstance(last.comma, cst.Comma) and isinstance(last.comma.whitespace_after, cst.ParenthesizedWhitespace) \
+            and isinstance(sep.whitespace_after, cst.ParenthesizedWhitespace):
+        # Exploded call with a magic trailing comma: the last argument keeps its
+        # own trailing comment; the new one goes on the next line, and the
+        # comments before `)` stay before `)`.
+        ws = last.comma.whitespace_after
+        args[-1] = last.with_changes(comma=last.comma.with_changes(
+            whitespace_after=sep.whitespace_after.with_changes(first_line=ws.first_line)))
+        args.append(new.with_changes(comma=last.comma.with_changes(
+            whitespace_after=ws.with_changes(first_line=cst.TrailingWhitespace()))))
+    elif isinstance(last.comma, cst.Comma):
         # Exploded call with a magic trailing comma: the new arg inherits it.
         args[-1] = last.with_changes(comma=sep)
         args.append(new.with_changes(comma=last.comma))

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import libcst as cst
-import libcst.matchers as m
 
 from kvpatch import discover
 from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
 from kvpatch.classify import prove_noop
 from kvpatch.locate import MLA_PLAN_ARITY, MLA_PLAN_KEYWORDS, locate
-from kvpatch.match import POOL_GETTERS, FileContext, UnitContext
+from kvpatch.match import POOL_GETTERS, FileContext, UnitContext, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
                            backend_name, path_kind)
@@ -101,7 +100,7 @@ class _Calls(cst.CSTVisitor):
 
 
 def _is_mla_plan(call: cst.Call) -> bool:
-    if not m.matches(call.func, m.Attribute(attr=m.Name("plan"))):
+    if not is_attr(call.func, ("plan",)):
         return False
     kws = {a.keyword.value for a in call.args if a.keyword is not None}
     if kws & MLA_PLAN_KEYWORDS:
@@ -128,7 +127,7 @@ def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis
         fa.errors.append(FileError(rel, f"does not parse: {exc}"))
         return fa
     fa.lines = split_lines(fa.text)
-    loc = locate(tree)
+    loc = locate(tree, fa.text)
     fa.import_after_line = loc.module.import_after_line
     fa.has_runtime_import = loc.module.runtime_alias is not None
     if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(getattr(tree.body[0], "value", None), ast.Constant) \
@@ -150,9 +149,27 @@ def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis
             continue
         ctx = UnitContext(pu, file_ctx)
         _analyze_unit(fa, ctx, cast_rules, fallback, plan_rules)
+    _pair_rules(fa)
     fa.sites.sort(key=lambda s: (s.line, s.column))
     fa.plans.sort(key=lambda p: p.line)
     return fa
+
+
+def _pair_rules(fa: FileAnalysis) -> None:
+    """Drop the rewrites of a rule whose partner rule changes nothing in this file."""
+    from kvpatch.sites import PLAN_IGNORED, PLAN_REWRITE
+
+    for d in fa.decided:
+        partner = getattr(d.rule, "PAIRS_WITH", None)
+        if not partner or d.decision is None or not d.decision.fixable:
+            continue
+        if any(s.rule == partner and (s.fixable or s.status == PATCHED) for s in fa.sites):
+            continue
+        reason = (f"left as is: no {partner} cast is rewritten or patched in this file, so run() still "
+                  f"receives what this plan declares")
+        status = PLAN_IGNORED if d.decision.status == PLAN_REWRITE else HOT
+        d.decision = Decision(status, reason)
+        d.record.status, d.record.reason, d.record.fixable = status, reason, False
 
 
 def _site(ctx: UnitContext, node: cst.CSTNode, *, buffer: str, dtype: str, form: str, kernel: str,
@@ -178,6 +195,8 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan
         # -- a site kvpatch already rewrote --------------------------------
         if isinstance(func, cst.Attribute) and func.attr.value == "kv_for_kernel" and len(call.args) >= 3:
             consumers = ctx.consumers(call)
+            # Its pool was cast (now page-gathered): not an uncast "direct" pool below.
+            cast_getters.update(ctx.origin(call.args[0].value).getters)
             fa.sites.append(_site(
                 ctx, call, buffer=ctx.code(call.args[0].value), dtype=ctx.code(call.args[2].value),
                 form="patched", kernel=consumer_names(consumers, ctx), status=PATCHED,
@@ -191,7 +210,7 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan
                 kw = any(a.keyword is not None and a.keyword.value in ("q_data_type", "kv_data_type")
                          for a in call.args)
                 plan = PlanCandidate(call, func.value, "keyword" if kw else "positional", args)
-        elif m.matches(func, m.Name("fast_mla_decode_plan")):
+        elif isinstance(func, cst.Name) and func.value == "fast_mla_decode_plan":
             plan = PlanCandidate(call, None, "function", bind_plan_args(call, skip_first=True) or {})
         if plan is not None:
             _decide_plan(fa, ctx, plan, plan_rules)
@@ -208,8 +227,7 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan
             cast_getters.update(origin.getters)
             _decide_cast(fa, ctx, cand, cast_rules, fallback)
             continue
-        if m.matches(func, m.Attribute(attr=m.OneOf(*[m.Name(g) for g in POOL_GETTERS]))) \
-                and ctx.file.module.uses_mla_wrapper:
+        if is_attr(func, POOL_GETTERS) and ctx.file.module.uses_mla_wrapper:
             direct.append(call)
     # -- the FP8 pool handed to an MLA kernel with no cast anywhere on its way --
     for call in direct:
@@ -219,7 +237,8 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan
                 fa.sites.append(_site(
                     ctx, call, buffer=ctx.code(call), dtype="(none)", form="direct",
                     kernel=consumer_names(runs, ctx), status=FIXED_UPSTREAM,
-                    reason="the FP8 pool reaches the MLA kernel without a cast (native FP8, fixed upstream)",
+                    reason="no cast: the pool reaches the MLA kernel as stored, which reads the KV-cache dtype "
+                           "itself (an upstream fix, or SGLang before the May 2025 cast): nothing to rewrite",
                     rule=FALLBACK_RULE))
 
 

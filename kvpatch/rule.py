@@ -89,6 +89,9 @@ class Rule:
     CHECKED_ON: ClassVar[Tuple[str, ...]] = ()
     VALID: ClassVar[Sequence[Valid]] = ()
     INVALID: ClassVar[Sequence[Invalid]] = ()
+    # Rewrite only in a file where this rule rewrites or has patched a site too
+    # (a plan retargeted for a kernel input nobody changed would mismatch it).
+    PAIRS_WITH: ClassVar[Optional[str]] = None
 
     def decide(self, target, ctx) -> Optional[Decision]:  # pragma: no cover - interface
         raise NotImplementedError

@@ -28,6 +28,25 @@ from kvpatch.units import leading_ws
 KV_CACHE_ATTR = "_kvpatch_kv_cache_dtype"
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
 RT = f"\nfrom . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
+# Plans are retargeted only next to a cast that KVP101 rewrites (PAIRS_WITH).
+BACKEND = """
+class FlashInferMLAAttnBackend:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+"""
+BACKEND_PATCHED = """
+class FlashInferMLAAttnBackend:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = _kvpatch_rt.kv_for_kernel(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            decode_wrapper,
+            q.dtype,
+        )
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], **_kvpatch_rt.run_kwargs(decode_wrapper))
+"""
 
 
 def is_runtime_call(e: cst.BaseExpression, fn: str) -> bool:
@@ -51,6 +70,7 @@ class FlashInferMlaPlanKvDtype(Rule):
     SUMMARY = "FlashInfer MLA plan(): kv dtype argument -> the runtime's choice (FP8 when native)"
     KIND = "plan"
     PRIORITY = 10
+    PAIRS_WITH = "KVP101"
     CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
                   "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
                   "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
@@ -71,6 +91,24 @@ class Updater:
 """,
             why="a non-MLA FlashInfer decode plan (7 positional arguments, no MLA keywords)",
         ),
+        Valid(
+            HEADER + """
+class FlashInferMLAIndicesUpdaterDecode:
+    def __init__(self, model_runner, attn_backend):
+        self.data_type = model_runner.kv_cache_dtype
+        self.q_data_type = model_runner.dtype
+
+    def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
+        wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale, self.q_data_type, self.data_type)
+
+
+class FlashInferMLAAttnBackend:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        return self.forward_metadata.decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+""",
+            why="before the May 2025 cast: no pool cast to rewrite, so the plans stay as they are",
+        ),
     )
 
     INVALID = (
@@ -83,7 +121,7 @@ class FlashInferMLAIndicesUpdaterDecode:
 
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
         wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 128, 512, 64, 1, False, sm_scale, self.data_type, self.data_type)
-""",
+""" + BACKEND,
             expected=HEADER + RT + """
 class FlashInferMLAIndicesUpdaterDecode:
     def __init__(self, model_runner, attn_backend):
@@ -93,7 +131,7 @@ class FlashInferMLAIndicesUpdaterDecode:
 
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
         wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 128, 512, 64, 1, False, sm_scale, self.data_type, _kvpatch_rt.plan_kv_dtype(wrapper, self.data_type, self.data_type, self._kvpatch_kv_cache_dtype, False))
-""",
+""" + BACKEND_PATCHED,
             status="rewrite",
             why="positional decode plan: only argument 11 changes",
         ),
@@ -119,7 +157,7 @@ class FlashInferMLAIndicesUpdaterDecode:
             q_data_type=self.data_type,
             kv_data_type=self.data_type,
         )
-''',
+''' + BACKEND,
             expected=HEADER + RT + '''
 class FlashInferMLAIndicesUpdaterDecode:
     def __init__(self, model_runner: ModelRunner, attn_backend):
@@ -140,9 +178,15 @@ class FlashInferMLAIndicesUpdaterDecode:
             causal=False,
             sm_scale=sm_scale,
             q_data_type=self.data_type,
-            kv_data_type=_kvpatch_rt.plan_kv_dtype(wrapper, self.data_type, self.data_type, self._kvpatch_kv_cache_dtype, False),
+            kv_data_type=_kvpatch_rt.plan_kv_dtype(
+                wrapper,
+                self.data_type,
+                self.data_type,
+                self._kvpatch_kv_cache_dtype,
+                False,
+            ),
         )
-''',
+''' + BACKEND_PATCHED,
             status='rewrite',
             why='keyword plan (v0.5.1 shape): only kv_data_type= changes',
         ),
@@ -168,7 +212,7 @@ class FlashInferMLAIndicesUpdaterPrefill:
             self.q_data_type,
             self.data_type,
         )
-''',
+''' + BACKEND,
             expected=HEADER + RT + '''
 class FlashInferMLAIndicesUpdaterPrefill:
     def __init__(self, runner: "ModelRunner", attn_backend):
@@ -197,7 +241,7 @@ class FlashInferMLAIndicesUpdaterPrefill:
                 True,
             ),
         )
-''',
+''' + BACKEND_PATCHED,
             status='rewrite',
             why='prefill plan, one argument per line, an annotated runner parameter',
         ),
@@ -209,7 +253,7 @@ class Updater:
 
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
         wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale, self.data_type, self.data_type)
-''',
+''' + BACKEND,
             status='unsupported',
             why='no model_runner in __init__: the KV-cache dtype is not reachable',
         ),
@@ -255,7 +299,7 @@ class Updater:
                 ctx.code(causal.value)]
         line_text = ctx.file.lines[ctx.line(kv) - 1]
         column = ctx.column(kv.value)
-        if line_text[:column].strip() == "":
+        if line_text[:ctx.column(kv)].strip() == "":
             # One argument per line already: lay the new call out the same way.
             indent = leading_ws(line_text)
             unit = "\t" if indent.startswith("\t") else "    "

@@ -17,7 +17,7 @@ import libcst as cst
 
 from kvpatch.candidates import CastCandidate
 from kvpatch.codegen import (RUNTIME_ALIAS, append_star_kwargs, call_text, comments_in,
-                             has_star_kwargs_call, parse_expr)
+                             has_star_kwargs_call, moved_code, parse_expr)
 from kvpatch.dataflow import loads_in
 from kvpatch.match import Consumer, UnitContext
 from kvpatch.rule import Decision, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
@@ -415,6 +415,7 @@ class B:
     def _cast_builder(cand: CastCandidate, ctx: UnitContext, w_code: str, kv_indptr: Optional[str]):
         # Continuation lines line up with the line the cast starts on.
         indent = leading_ws(ctx.file.lines[ctx.line(cand.call) - 1])
+        block_indent = leading_ws(ctx.file.lines[ctx.line(ctx.line_statement(cand.call)) - 1])
         unit = "\t" if indent.startswith("\t") else "    "
         column = ctx.column(cand.call)
         multiline = ctx.line(cand.call) != ctx.end_line(cand.call)
@@ -426,7 +427,8 @@ class B:
             dtype_arg = next(a for a in updated.args if a.value is not None and (
                 (cand.form.dtype_arg.keyword is None and a.keyword is None)
                 or (a.keyword is not None and a.keyword.value == "dtype")))
-            args = [(_code(receiver).strip(), None), (w_code, None), (_code(dtype_arg.value).strip(), comment)]
+            args = [(moved_code(receiver, block_indent, unit), None), (w_code, None),
+                    (_code(dtype_arg.value).strip(), comment)]
             if kv_indptr:
                 args.append((f"kv_indptr={kv_indptr}", None))
             text = call_text(f"{RUNTIME_ALIAS}.kv_for_kernel", args, indent, unit, column,
