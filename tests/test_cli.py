@@ -153,3 +153,18 @@ def test_dry_run_writes_nothing(example):
 def test_dry_run_colours_only_when_asked(example):
     assert ANSI.search(run("--color", "always", "apply", "--dry-run", example).output)
     assert not ANSI.search(run("apply", "--dry-run", example).output)
+
+
+def test_codemod_never_imports_torch(example):
+    """audit and apply --dry-run run in a process that never loads torch (or GitPython
+    for a non-git tree): the core install has neither, and audit must start fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvpatch.cli import main\n"
+            "for argv in (['audit', sys.argv[1]], ['apply', '--dry-run', sys.argv[1]]):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "bad = [m for m in ('torch', 'triton', 'git') if m in sys.modules]\n"
+            "print('LOADED', bad)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(example)], capture_output=True, text=True)
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr
