@@ -401,7 +401,8 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
 
     \b
     Example:  kvpatch verify ~/sglang --mode gather
-    Exit: 0 pass, 1 mismatch, 2 error, 3 no GPU (CPU check passed; use --cpu to accept it).
+    Exit: 0 pass, 1 mismatch, 2 error (e.g. nothing patched to verify),
+          3 no GPU (the CPU check passed; --cpu accepts that).
     """
     import json
 
@@ -423,7 +424,10 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     if as_json:
         out.echo(json.dumps(rep.to_dict(), indent=2))
     else:
-        out.echo(rep.render() if hasattr(rep, "render") else str(rep))
+        out.echo(rep.render())
+    if not rep.cases:  # nothing could be checked: bad input, not a mismatch
+        out.error(rep.reason or "nothing to verify")
+        sys.exit(EXIT_ERROR)
     if not rep.ok:
         sys.exit(EXIT_ACTION)
     if not cpu and not rep.gpu_ran:

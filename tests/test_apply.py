@@ -134,3 +134,33 @@ def test_refused_file_leaves_everything_original(example, monkeypatch):
 def test_revert_without_record(example):
     r = run("revert", example)
     assert r.exit_code == 2 and "was not patched" in r.output
+
+
+def test_verify_command_on_an_applied_checkout(example):
+    """`kvpatch verify` end to end through the CLI: apply, then verify (CPU reference
+    path here), then a broken plan: verify must fail, naming the site."""
+    assert run("apply", example).exit_code == 0
+    ok = run("verify", "--cpu", "--quick", "--mode", "gather", example)
+    assert ok.exit_code == 0, ok.output
+    assert "passed" in ok.output and "FAIL" not in ok.output
+    no_gpu = run("verify", "--quick", "--mode", "gather", example)
+    assert no_gpu.exit_code == 3 and "no GPU check" in no_gpu.output  # CPU passed, GPU not run
+    p = example / FI_MLA
+    text = p.read_text()
+    broken = text.replace("""                _kvpatch_rt.plan_kv_dtype(
+                    wrapper,
+                    self.data_type,
+                    self.data_type,
+                    self._kvpatch_kv_cache_dtype,
+                    False,
+                ),""", "                torch.float8_e4m3fn,", 1)
+    assert broken != text
+    p.write_text(broken)
+    bad = run("verify", "--cpu", "--quick", "--mode", "gather", example)
+    assert bad.exit_code == 1, bad.output
+    assert "FlashInferMLAAttnBackend.forward_decode" in bad.output and "kv_data_type" in bad.output
+
+
+def test_verify_without_a_patch(example):
+    r = run("verify", "--cpu", "--quick", example)
+    assert r.exit_code == 2 and "no patched file found" in r.output
