@@ -53,7 +53,6 @@ def copy_bandwidth() -> float:
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
-    del a, b
     return 2 * n / (ms * 1e-3)
 
 

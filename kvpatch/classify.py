@@ -11,7 +11,7 @@ head_dim 576, so their later pool cast is real.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import libcst as cst
 

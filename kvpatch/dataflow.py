@@ -11,7 +11,7 @@ end a path. Nested functions and classes are opaque.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
@@ -298,8 +298,3 @@ def analyze(func: cst.FunctionDef) -> FunctionFlow:
     b.suite(state, func.body)
     return b.flow
 
-
-def dominates(defs: Iterable[Definition]) -> bool:
-    """True when the given reaching definitions leave no other path open:
-    callers pass *all* reaching definitions and check their kinds."""
-    return bool(list(defs))

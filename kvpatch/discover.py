@@ -13,21 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
 
-# A KV-buffer read, or a site kvpatch already rewrote ...
-MARKERS = re.compile(rb"get_(?:key|value|kv)_buffer|get_mla_kv_buffer|_kvpatch_runtime|kv_for_kernel"
-                     rb"|plan_kv_dtype")
+# A KV-buffer read, or a site kvpatch already rewrote (plain substrings: `bytes in`
+# is ~5x faster than a regex alternation) ...
+MARKERS = (b"get_key_buffer", b"get_value_buffer", b"get_kv_buffer", b"get_mla_kv_buffer",
+           b"_kvpatch_runtime", b"kv_for_kernel", b"plan_kv_dtype")
 # ... or an MLA plan call, which only matters in a file using the MLA wrapper.
-MLA_WRAPPER = re.compile(rb"BatchMLAPagedAttentionWrapper")
 PLAN = re.compile(rb"\.plan\b|fast_mla_decode_plan")
 
 
-# The same markers as plain substrings: `bytes in` is ~5x faster than the regex.
-_MARKER_LITERALS = (b"get_key_buffer", b"get_value_buffer", b"get_kv_buffer", b"get_mla_kv_buffer",
-                    b"_kvpatch_runtime", b"kv_for_kernel", b"plan_kv_dtype")
-
-
 def is_candidate(data: bytes) -> bool:
-    if any(lit in data for lit in _MARKER_LITERALS):  # == MARKERS.search(data)
+    if any(lit in data for lit in MARKERS):
         return True
     return b"BatchMLAPagedAttentionWrapper" in data and bool(PLAN.search(data))
 

@@ -51,7 +51,6 @@ class ModuleFacts:
     uses_mla_wrapper: bool = False
     runtime_alias: Optional[str] = None  # the name our runtime import binds
     import_after_line: int = 0  # our import goes after this line (0: top)
-    first_line_is_future_or_doc: bool = False
 
 
 @dataclass

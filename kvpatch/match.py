@@ -28,7 +28,6 @@ VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten
                 "t", "detach", "select", "split", "chunk", "unbind"}
 GATHER_METHODS = {"index_select", "gather", "take", "masked_select", "take_along_dim"}
 CAST_METHODS = {"float", "half", "bfloat16", "double"}
-RUNTIME_FN = "kv_for_kernel"
 
 
 
@@ -42,14 +41,6 @@ def is_attr(node: Optional[cst.CSTNode], names) -> bool:
 def attr_call(node: Optional[cst.CSTNode], names) -> bool:
     """`X.<name>(...)` for a name in `names` (m.Call(func=m.Attribute(attr=m.OneOf(...))))."""
     return isinstance(node, cst.Call) and is_attr(node.func, names)
-
-
-def __getattr__(name: str):
-    if name == "M_TO":  # the old matcher, built only if someone still asks for it
-        import libcst.matchers as m
-
-        return m.Call(func=m.Attribute(attr=m.Name("to")))
-    raise AttributeError(name)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from kvpatch import RULESET_VERSION, __version__
 from kvpatch.engine import ScanResult

@@ -18,7 +18,7 @@ import libcst as cst
 from kvpatch.codegen import IMPORT_LINE
 from kvpatch.engine import FileAnalysis, analyze_source, encode
 from kvpatch.rule import InsertStatement, NeedRuntime, ReplaceNode, Rule
-from kvpatch.units import leading_ws, splice
+from kvpatch.units import splice
 
 
 class RewriteError(Exception):

@@ -97,17 +97,6 @@ def original_bytes(root: Path, rec: FileRecord) -> bytes:
     return (root / rec.original_copy).read_bytes()
 
 
-def original_source(root: Path, rel: str) -> Optional[str]:
-    """The original text of a patched file, from the recorded copy."""
-    st = load(root)
-    if st is None:
-        return None
-    for f in st.files:
-        if f.path == rel:
-            return original_bytes(root, f).decode("utf-8")
-    return None
-
-
 def write_json_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

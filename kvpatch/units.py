@@ -71,21 +71,6 @@ class _PositionState(CodegenState):
             self.ranges[node] = CodeRange(start, end)
 
 
-class _Parents(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.stack: List[cst.CSTNode] = []
-        self.parents: Dict[cst.CSTNode, cst.CSTNode] = {}
-
-    def on_visit(self, node: cst.CSTNode) -> bool:
-        if self.stack:
-            self.parents[node] = self.stack[-1]
-        self.stack.append(node)
-        return True
-
-    def on_leave(self, original_node: cst.CSTNode) -> None:
-        self.stack.pop()
-
-
 _FIELDS: Dict[type, Tuple[str, ...]] = {}
 
 
@@ -152,9 +137,6 @@ class ParsedUnit:
         """1-based line of node in the original file."""
         rel = self.positions()[node].start.line
         return rel - (1 if self.header else 0) + self.unit.start - 1
-
-    def col_of(self, node: cst.CSTNode) -> int:
-        return self.positions()[node].start.column
 
     def code_for(self, node: cst.CSTNode) -> str:
         return self.module.code_for_node(node)
@@ -229,9 +211,3 @@ def splice(lines: List[str], unit: Unit, new_lines: List[str]) -> List[str]:
         new_lines = new_lines[:-1] + [new_lines[-1].rstrip("\r\n")]
     return lines[: unit.start - 1] + new_lines + lines[unit.end :]
 
-
-def find_function(pu: ParsedUnit) -> Optional[cst.FunctionDef]:
-    try:
-        return pu.func
-    except AssertionError:
-        return None

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import List
 
-import libcst as cst
-
 from kvpatch.candidates import CastCandidate
 from kvpatch.match import Consumer, UnitContext
 from kvpatch.rule import Decision, Invalid, Rule, Valid
