@@ -203,6 +203,7 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
     Exit: 0 applied or nothing to do, 2 error or refused.
     """
     from kvpatch import patch as P
+    from kvpatch import report
 
     select = _split(rules)
     _check_rules(select, out)
@@ -224,8 +225,10 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
         _apply_counts(out, built, written=False)
         for e in errors:
             out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
-        out.info(f"kvpatch apply --dry-run: {len(built.rewrites)} file(s) would change, "
-                 f"{len(built.runtimes)} runtime file(s) written; nothing written; {time.perf_counter() - t0:.2f}s")
+        built.scan.seconds = time.perf_counter() - t0
+        out.info(report.summary_line("apply --dry-run", built.scan,
+                                     f"; {len(built.rewrites)} file(s) and {len(built.runtimes)} runtime "
+                                     f"file(s) would be written; nothing written"))
         sys.exit(EXIT_ERROR if errors else EXIT_OK)
     try:
         res = P.apply(root, allow_dirty=allow_dirty, no_commit=no_commit, patch=built)
@@ -248,7 +251,8 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
             out.echo(f"branch {res.branch}, commit {res.commit[:12]}")
     for e in errors:
         out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
-    out.info(f"kvpatch apply: {len(res.written)} file(s) written; {time.perf_counter() - t0:.2f}s")
+    built.scan.seconds = time.perf_counter() - t0
+    out.info(report.summary_line("apply", built.scan, f"; {len(res.written)} file(s) written"))
     sys.exit(EXIT_ERROR if errors else EXIT_OK)
 
 
@@ -285,6 +289,7 @@ def revert(out: Out, path, force, no_commit, allow_dirty):
     from kvpatch import patch as P
 
     root = _root(path, out)
+    t0 = time.perf_counter()
     try:
         res = P.revert(root, force=force, no_commit=no_commit, allow_dirty=allow_dirty)
     except (P.PatchError, ValueError) as exc:  # ValueError: an unreadable state record
@@ -294,6 +299,8 @@ def revert(out: Out, path, force, no_commit, allow_dirty):
         out.info(res.notice)
     out.echo(f"restored {len(res.restored)} file(s), removed {len(res.removed)} runtime file(s)"
              + (f"; commit {res.commit[:12]}" if res.commit else ""))
+    out.info(f"kvpatch revert: {len(res.restored)} restored, {len(res.removed)} removed; "
+             f"{time.perf_counter() - t0:.2f}s")
     sys.exit(EXIT_OK)
 
 
@@ -336,6 +343,7 @@ def status(out: Out, path, as_json):
     from kvpatch import status as S
 
     root = _root(path, out)
+    t0 = time.perf_counter()
     try:
         st = S.status(root)
     except ValueError as exc:
@@ -347,6 +355,7 @@ def status(out: Out, path, as_json):
         out.echo(f"{out.style(st.state, bold=True)}: {st.detail}" if st.detail else st.state)
         for p in st.places:
             out.echo(f"  {p.file}{':' + str(p.line) if p.line else ''}: {p.what}")
+    out.info(f"kvpatch status: {st.state}, {len(st.places)} place(s); {time.perf_counter() - t0:.2f}s")
     sys.exit(st.exit_code)
 
 
@@ -407,6 +416,7 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     import json
 
     root = _root(path, out).resolve()
+    t0 = time.perf_counter()
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -430,6 +440,9 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
         sys.exit(EXIT_ERROR)
     if not rep.ok:
         sys.exit(EXIT_ACTION)
+    n = {k: sum(1 for c in rep.cases if c.status == k) for k in ("passed", "failed", "skipped")}
+    out.info(f"kvpatch verify: {n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped "
+             f"(device {rep.device or '-'}, kernel {rep.kernel or '-'}); {time.perf_counter() - t0:.2f}s")
     if not cpu and not rep.gpu_ran:
         out.info(f"no GPU check: {rep.reason}")
         sys.exit(EXIT_NO_GPU)
