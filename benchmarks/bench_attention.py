@@ -19,7 +19,6 @@ Needs CUDA, torch, triton and flashinfer (>= 0.6.14 for the native rows).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -39,10 +38,10 @@ BF16 = torch.bfloat16
 
 
 def load_runtime():
-    spec = importlib.util.spec_from_file_location("_kvpatch_runtime", ROOT / "kvpatch/runtime/kvpatch_runtime.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(ROOT))  # a clone, kvpatch not installed
+    from kvpatch.runtime import load_template
+
+    return load_template()
 
 
 def copy_bandwidth() -> float:

@@ -19,7 +19,6 @@ rows come mostly from HBM, as in decode) and, for reference, triton.testing.do_b
 """
 
 import argparse
-import importlib.util
 import itertools
 import json
 import math
@@ -28,17 +27,15 @@ import statistics
 import sys
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[1] / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a clone, kvpatch not installed
+from kvpatch.runtime import load_template  # noqa: E402
 ROW_BYTES = 576 + 2 * 576 + 4  # fp8 row read, bf16 row written, int32 index read
 TARGET_TBPS_AT_131072 = 3.0
 TARGET_US_AT_4096 = 15.0
 
 
 def load_runtime():
-    spec = importlib.util.spec_from_file_location("_kvpatch_runtime", RUNTIME)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_template()
 
 
 def graph_time_us(torch, fns, replays=20):

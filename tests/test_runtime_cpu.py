@@ -5,30 +5,23 @@ tests also show it works without kvpatch importable.
 """
 
 import ast
-import importlib.util
 import logging
 import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-RUNTIME = Path(__file__).resolve().parents[1] / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+from kvpatch.runtime import TEMPLATE, load_template
+
+RUNTIME = TEMPLATE
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("_kvpatch_runtime", RUNTIME)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_RT = _load()
+_RT = load_template()
 
 
 @pytest.fixture

@@ -18,6 +18,20 @@ _STAMP = re.compile(r'^__kvpatch_version__ = "[^"]*"$', re.M)
 _VERSION = re.compile(r'^__kvpatch_runtime_version__ = "([^"]*)"$', re.M)
 
 
+TEMPLATE = _TEMPLATE
+
+
+def load_template(module_name: str = "_kvpatch_runtime"):
+    """Import the shipped runtime source as a module (tests, benchmarks): it needs
+    torch, so it is never imported by kvpatch itself."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module_name, _TEMPLATE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def runtime_source() -> str:
     text = _TEMPLATE.read_text(encoding="utf-8")
     stamped, n = _STAMP.subn(f'__kvpatch_version__ = "{__version__}"', text, count=1)

@@ -7,12 +7,12 @@ poisoned (NaN) first so a missed row cannot pass, and checks rows outside the re
 still poison.
 """
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
+
+from kvpatch.runtime import load_template
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the runtime's GPU tests need an NVIDIA GPU",
@@ -21,19 +21,11 @@ pytest.importorskip("triton", reason="triton not importable: the fused kernel ca
 
 pytestmark = pytest.mark.gpu
 
-RUNTIME = Path(__file__).resolve().parents[2] / "kvpatch" / "runtime" / "kvpatch_runtime.py"
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 DEV = torch.device("cuda")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("_kvpatch_runtime_gpu", RUNTIME)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_RT = _load()
+_RT = load_template("_kvpatch_runtime_gpu")
 
 
 @pytest.fixture
