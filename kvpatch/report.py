@@ -153,24 +153,28 @@ def to_sarif(scan: ScanResult, rules) -> str:
         "locations": [{"physicalLocation": {"artifactLocation": {"uri": e.file, "uriBaseId": "SRCROOT"},
                                             **({"region": {"startLine": e.line}} if e.line else {})}}],
     } for e in scan.all_errors]
-    doc = {
-        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
-        "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {
-                "name": "kvpatch", "version": __version__, "semanticVersion": __version__,
-                "informationUri": "https://github.com/kvpatch/kvpatch",
-                "rules": [{"id": r.ID, "name": r.NAME, "shortDescription": {"text": r.SUMMARY},
-                           "fullDescription": {"text": (r.__class__.__doc__ or r.SUMMARY).strip()},
-                           "defaultConfiguration": {"level": "error" if r.KIND == "cast" else "note"}}
-                          for r in rules],
-            }},
-            "originalUriBaseIds": {"SRCROOT": {"uri": scan.root.as_uri() + "/"}},
-            "invocations": [{"executionSuccessful": not scan.all_errors,
-                             "toolExecutionNotifications": notifications}],
-            "results": results,
-        }],
+    sarif_rules = [{"id": r.ID, "name": r.NAME, "shortDescription": {"text": r.SUMMARY},
+                    "fullDescription": {"text": (r.__class__.__doc__ or r.SUMMARY).strip()},
+                    "defaultConfiguration": {"level": "error" if r.KIND == "cast" else "note"}} for r in rules]
+    return sarif_document(sarif_rules, results, notifications, scan.root)
+
+
+def sarif_document(rules: List[Dict], results: List[Dict], notifications: List[Dict], root, properties=None) -> str:
+    """One SARIF 2.1.0 run of kvpatch (audit and upgrade audit share it)."""
+    run = {
+        "tool": {"driver": {
+            "name": "kvpatch", "version": __version__, "semanticVersion": __version__,
+            "informationUri": "https://github.com/kvpatch/kvpatch",
+            "rules": rules,
+        }},
+        "originalUriBaseIds": {"SRCROOT": {"uri": root.as_uri() + "/"}},
+        "invocations": [{"executionSuccessful": not notifications,
+                         "toolExecutionNotifications": notifications}],
+        "results": results,
     }
+    if properties:
+        run["properties"] = properties
+    doc = {"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0", "runs": [run]}
     return json.dumps(doc, indent=2) + "\n"
 
 

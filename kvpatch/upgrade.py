@@ -1104,24 +1104,13 @@ def to_sarif(up: Upgrade) -> str:
         })
     notes = [{"level": "error", "message": {"text": f"({t}) {e.file}{':' + str(e.line) if e.line else ''}: "
                                                    f"{e.message}"}} for t, e in up.errors]
-    doc = {
-        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
-        "version": "2.1.0",
-        "runs": [{
-            "tool": {"driver": {
-                "name": "kvpatch", "version": __version__, "semanticVersion": __version__,
-                "informationUri": "https://github.com/kvpatch/kvpatch",
-                "rules": [{"id": i, "name": n, "shortDescription": {"text": d},
-                           "defaultConfiguration": {"level": "error" if i in ("KVU003", "KVU004") else "warning"}}
-                          for i, n, d in _SARIF_RULES],
-            }},
-            "originalUriBaseIds": {"SRCROOT": {"uri": up.new.root.as_uri() + "/"}},
-            "invocations": [{"executionSuccessful": not up.errors, "toolExecutionNotifications": notes}],
-            "results": results,
-            "properties": {"old": up.old.display, "new": up.new.display, "exit_code": up.exit_code},
-        }],
-    }
-    return json.dumps(doc, indent=2) + "\n"
+    rules = [{"id": i, "name": n, "shortDescription": {"text": d},
+              "defaultConfiguration": {"level": "error" if i in ("KVU003", "KVU004") else "warning"}}
+             for i, n, d in _SARIF_RULES]
+    from kvpatch.report import sarif_document
+
+    return sarif_document(rules, results, notes, up.new.root,
+                                 {"old": up.old.display, "new": up.new.display, "exit_code": up.exit_code})
 
 
 # -- the command -------------------------------------------------------------------------
