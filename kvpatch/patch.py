@@ -53,10 +53,9 @@ class Patch:
 
     def skipped(self) -> List:
         """Sites that stay as they are and need action, with their reasons."""
-        done = {id(s) for r in self.rewrites for s in r.sites}
-        keys = {(s.file, s.line) for r in self.rewrites for s in r.sites}
-        return [s for s in self.scan.sites if s.status in NEEDS_ACTION and (s.file, s.line) not in keys
-                and id(s) not in done]
+        # The rewrites' records come from a second analysis: match them by place.
+        rewritten = {(s.file, s.line) for r in self.rewrites for s in r.sites}
+        return [s for s in self.scan.sites if s.status in NEEDS_ACTION and (s.file, s.line) not in rewritten]
 
     @property
     def empty(self) -> bool:
@@ -154,8 +153,7 @@ class ApplyResult:
 
 def _site_records(rw: FileRewrite) -> List[SiteRecord]:
     """Pair each rewritten statement with its statement in the new file."""
-    rules = load_rules()
-    after = analyze_source(rw.rel, rw.new_bytes, rules)
+    after = rw.after
     out = []
     new_sites = [s for s in after.sites if s.status == PATCHED]
     for old in rw.sites:

@@ -34,6 +34,7 @@ class FileRewrite:
     needs_runtime: bool
     sites: List = field(default_factory=list)  # Site records rewritten
     plans: List = field(default_factory=list)  # PlanCall records rewritten
+    after: Optional[FileAnalysis] = field(default=None, repr=False)  # the check's audit of new_text
 
     @property
     def changed(self) -> bool:
@@ -135,12 +136,12 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule]) -> Optional[FileRewrit
     if needs_runtime and not fa.has_runtime_import:
         lines = _add_import(lines, fa, nl)
     new_text = "".join(lines)
-    _check(fa, new_text, rules)
+    after = _check(fa, new_text, rules)
     sites = [d.record for d, _ in edits if hasattr(d.record, "buffer")]
     plans = [d.record for d, _ in edits if not hasattr(d.record, "buffer")]
     uniq = lambda xs: list({id(x): x for x in xs}.values())  # noqa: E731
     return FileRewrite(fa.rel, fa.text, new_text, encode(new_text, fa.encoding, fa.bom), needs_runtime,
-                       uniq(sites), uniq(plans))
+                       uniq(sites), uniq(plans), after)
 
 
 def _add_import(lines: List[str], fa: FileAnalysis, nl: str) -> List[str]:
@@ -151,8 +152,9 @@ def _add_import(lines: List[str], fa: FileAnalysis, nl: str) -> List[str]:
     return [IMPORT_LINE + nl, nl] + lines
 
 
-def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule]) -> None:
-    """The rewritten file must parse, compile and leave nothing to fix."""
+def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule]) -> FileAnalysis:
+    """The rewritten file must parse, compile and leave nothing to fix; returns
+    its audit (apply records the rewritten statements from it)."""
     try:
         compile(ast.parse(new_text), fa.rel, "exec")
     except SyntaxError as exc:
@@ -164,3 +166,4 @@ def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule]) -> None:
         left = [d.record for d in again.decided if d.decision and d.decision.fixable]
         raise RewriteError(f"{fa.rel}: the rewrite is not idempotent ({len(left)} site(s) still fixable, "
                            f"first at line {left[0].line})")
+    return again
