@@ -19,7 +19,7 @@ from typing import Optional
 import libcst as cst
 
 from kvpatch.candidates import PlanCandidate
-from kvpatch.codegen import RUNTIME_ALIAS, call_text, parse_expr
+from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, call_text, parse_expr
 from kvpatch.match import UnitContext, simple_expr
 from kvpatch.rule import Decision, InsertStatement, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
 from kvpatch.sites import PLAN_IGNORED, PLAN_PATCHED, PLAN_REWRITE, PLAN_UNSUPPORTED
@@ -27,7 +27,7 @@ from kvpatch.units import leading_ws
 
 KV_CACHE_ATTR = "_kvpatch_kv_cache_dtype"
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
-RT = f"\nfrom . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
+RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
 # Plans are retargeted only next to a cast that KVP101 rewrites (PAIRS_WITH).
 BACKEND = """
 class FlashInferMLAAttnBackend:

@@ -16,7 +16,7 @@ from typing import List, Optional
 import libcst as cst
 
 from kvpatch.candidates import CastCandidate
-from kvpatch.codegen import (RUNTIME_ALIAS, append_star_kwargs, call_text, comments_in,
+from kvpatch.codegen import (IMPORT_LINE, RUNTIME_ALIAS, append_star_kwargs, call_text, comments_in,
                              has_star_kwargs_call, moved_code, parse_expr)
 from kvpatch.dataflow import loads_in
 from kvpatch.match import Consumer, UnitContext
@@ -25,7 +25,7 @@ from kvpatch.sites import HOT, UNSUPPORTED
 from kvpatch.units import leading_ws
 
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
-RT = f"\nfrom . import _kvpatch_runtime as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime\n"
+RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
 
 
 def is_mla_run(c: Consumer) -> bool:
