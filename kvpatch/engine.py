@@ -24,13 +24,12 @@ from kvpatch import discover
 from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
 from kvpatch.classify import prove_noop
 from kvpatch.locate import MLA_PLAN_ARITY, MLA_PLAN_KEYWORDS, locate
-from kvpatch.match import POOL_GETTERS, FileContext, UnitContext, is_attr
+from kvpatch.match import POOL_GETTERS, FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
                            backend_name, path_kind)
 from kvpatch.units import ParsedUnit, UnitParseError, parse_unit, split_lines
 
-FALLBACK_RULE = "KVP201"
 
 
 @dataclass
@@ -127,7 +126,7 @@ def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis
         fa.errors.append(FileError(rel, f"does not parse: {exc}"))
         return fa
     fa.lines = split_lines(fa.text)
-    loc = locate(tree, fa.text)
+    loc = locate(tree, fa.text, frozenset(e for r in rules for e in r.EMITS))
     fa.import_after_line = loc.module.import_after_line
     fa.has_runtime_import = loc.module.runtime_alias is not None
     if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(getattr(tree.body[0], "value", None), ast.Constant) \
@@ -141,18 +140,29 @@ def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis
         except UnitParseError as exc:
             fa.errors.append(FileError(rel, f"cannot analyse {exc}", u.start))
     file_ctx = FileContext(rel, loc.module, loc.classes, fa.units, fa.lines)
-    cast_rules = [r for r in rules if r.KIND == "cast" and r.ID != FALLBACK_RULE]
-    fallback = next((r for r in rules if r.ID == FALLBACK_RULE), None)
+    cast_rules = [r for r in rules if r.KIND == "cast" and not r.FALLBACK]
+    fallback = next((r for r in rules if r.KIND == "cast" and r.FALLBACK), None)
     plan_rules = [r for r in rules if r.KIND == "plan"]
     for pu in fa.units.values():
         if not pu.unit.why & {"kvbuf", "patched", "plan"}:
             continue
         ctx = UnitContext(pu, file_ctx)
-        _analyze_unit(fa, ctx, cast_rules, fallback, plan_rules)
+        _analyze_unit(fa, ctx, rules, cast_rules, fallback, plan_rules)
     _pair_rules(fa)
+    _select(fa, rules)
     fa.sites.sort(key=lambda s: (s.line, s.column))
     fa.plans.sort(key=lambda p: p.line)
     return fa
+
+
+def _select(fa: FileAnalysis, rules: Sequence[Rule]) -> None:
+    """--rules limits what is reported and rewritten, never a verdict: every
+    rule decided above; the findings of rules left out are dropped here."""
+    off = {r.ID for r in rules if not r.enabled}
+    if off:
+        fa.sites = [s for s in fa.sites if s.rule not in off]
+        fa.plans = [p for p in fa.plans if p.rule not in off]
+        fa.decided = [d for d in fa.decided if d.rule is None or d.rule.ID not in off]
 
 
 def _pair_rules(fa: FileAnalysis) -> None:
@@ -182,25 +192,39 @@ def _site(ctx: UnitContext, node: cst.CSTNode, *, buffer: str, dtype: str, form:
     )
 
 
-def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan_rules) -> None:
-    from kvpatch.rules.fi_mla_pool_cast import is_mla_run
-    from kvpatch.rules.kv_pool_cast import consumer_names
+def _patched(rules, call: cst.Call, ctx: UnitContext):
+    for r in rules:
+        got = r.patched(call, ctx)
+        if got is not None:
+            return r, got
+    return None, None
 
+
+def _upstream(rules, call: cst.Call, ctx: UnitContext):
+    for r in rules:
+        got = r.fixed_upstream(call, ctx)
+        if got is not None:
+            return r, got
+    return None, None
+
+
+def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallback, plan_rules) -> None:
     v = _Calls()
     ctx.func.visit(v)
     cast_getters = set()  # getters whose buffer some cast in this function reads
     direct: List[cst.Call] = []
     for call in v.calls:
         func = call.func
-        # -- a site kvpatch already rewrote --------------------------------
-        if isinstance(func, cst.Attribute) and func.attr.value == "kv_for_kernel" and len(call.args) >= 3:
-            consumers = ctx.consumers(call)
+        # -- a site a rule already rewrote -------------------------------------
+        owner, got = _patched(rules, call, ctx)
+        if got is not None:
             # Its pool was cast (now page-gathered): not an uncast "direct" pool below.
-            cast_getters.update(ctx.origin(call.args[0].value).getters)
+            cast_getters.update(ctx.origin(got.buffer).getters)
             fa.sites.append(_site(
-                ctx, call, buffer=ctx.code(call.args[0].value), dtype=ctx.code(call.args[2].value),
-                form="patched", kernel=consumer_names(consumers, ctx), status=PATCHED,
-                reason="kvpatch's page-gathered cast (kv_for_kernel) is in place", rule="KVP101"))
+                ctx, call, buffer=ctx.code(got.buffer),
+                dtype=ctx.code(got.dtype) if got.dtype is not None else "(none)",
+                form="patched", kernel=consumer_names(ctx.consumers(call), ctx), status=PATCHED,
+                reason=got.reason, rule=owner.ID))
             continue
         # -- MLA plan calls ----------------------------------------------------
         plan: Optional[PlanCandidate] = None
@@ -227,19 +251,24 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, cast_rules, fallback, plan
             cast_getters.update(origin.getters)
             _decide_cast(fa, ctx, cand, cast_rules, fallback)
             continue
-        if is_attr(func, POOL_GETTERS) and ctx.file.module.uses_mla_wrapper:
+        if is_attr(func, POOL_GETTERS):
             direct.append(call)
-    # -- the FP8 pool handed to an MLA kernel with no cast anywhere on its way --
+    # -- a pool read no cast touched: an upstream fix some rule recognises --
     for call in direct:
         if call not in cast_getters:
-            runs = [c for c in ctx.consumers(call) if is_mla_run(c)]
-            if runs:
+            owner, got = _upstream(rules, call, ctx)
+            if got is not None:
                 fa.sites.append(_site(
-                    ctx, call, buffer=ctx.code(call), dtype="(none)", form="direct",
-                    kernel=consumer_names(runs, ctx), status=FIXED_UPSTREAM,
-                    reason="no cast: the pool reaches the MLA kernel as stored, which reads the KV-cache dtype "
-                           "itself (an upstream fix, or SGLang before the May 2025 cast): nothing to rewrite",
-                    rule=FALLBACK_RULE))
+                    ctx, call, buffer=ctx.code(call), dtype="(none)", form="direct", kernel=got.kernel,
+                    status=FIXED_UPSTREAM, reason=got.reason, rule=owner.ID))
+
+
+def _unless_disabled(decision: Decision, rule: Optional[Rule]) -> Decision:
+    """A rule left out by --rules keeps its verdict but rewrites nothing."""
+    if rule is None or rule.enabled or not decision.fixable:
+        return decision
+    return Decision(decision.status, decision.reason, [],
+                    decision.notes + [f"not rewritten: {rule.ID} is not among the selected rules"])
 
 
 def _cast_form_name(cand: CastCandidate, ctx: UnitContext) -> str:
@@ -252,8 +281,6 @@ def _cast_form_name(cand: CastCandidate, ctx: UnitContext) -> str:
 
 
 def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_rules, fallback) -> None:
-    from kvpatch.rules.kv_pool_cast import consumer_names
-
     decision: Optional[Decision] = None
     rule: Optional[Rule] = None
     if cand.origin.kind == "pool":
@@ -270,7 +297,8 @@ def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_r
     if decision is None and fallback is not None:
         decision, rule = fallback.decide(cand, ctx), fallback
     if decision is None:
-        decision = Decision(HOT, "full-pool cast; no selected rule handles it")
+        decision = Decision(HOT, "full-pool cast; no rule handles it")
+    decision = _unless_disabled(decision, rule)
     buffer = cand.origin.getters[0] if cand.origin.getters else cand.receiver
     site = _site(
         ctx, cand.call, buffer=ctx.code(buffer), dtype=ctx.code(cand.form.dtype) if cand.form.dtype is not None
@@ -297,7 +325,8 @@ def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_r
     from kvpatch.sites import PLAN_UNSUPPORTED
 
     if decision is None:
-        decision = Decision(PLAN_UNSUPPORTED, "no selected rule handles MLA plan calls")
+        decision = Decision(PLAN_UNSUPPORTED, "no rule handles MLA plan calls")
+    decision = _unless_disabled(decision, rule)
     rec = PlanCall(
         file=ctx.file.rel, line=ctx.line(cand.call), qualname=ctx.unit.qualname,
         receiver=ctx.code(cand.receiver) if cand.receiver is not None else

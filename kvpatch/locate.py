@@ -12,10 +12,9 @@ import ast
 import bisect
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 KV_GETTERS = {"get_key_buffer", "get_value_buffer", "get_kv_buffer", "get_mla_kv_buffer"}
-RUNTIME_CALLS = {"kv_for_kernel", "plan_kv_dtype", "run_kwargs"}
 MLA_WRAPPER = "BatchMLAPagedAttentionWrapper"
 # FlashInfer's MLA plan takes 12 required arguments; its other wrappers' plans
 # take fewer, or none of these MLA-only keywords.
@@ -126,19 +125,19 @@ class MarkerLines:
     function none of whose lines does cannot get a reason, so it is not
     walked at all (most functions of a candidate file)."""
 
-    _NAMES = re.compile("|".join(sorted(KV_GETTERS | RUNTIME_CALLS)) + r"|plan")
     _BREAK = re.compile(r"\r\n|\r|\n")
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, runtime_calls: FrozenSet[str]) -> None:
+        names = re.compile("|".join(sorted(KV_GETTERS | runtime_calls)) + r"|plan")
         starts = [0] + [m.end() for m in self._BREAK.finditer(text)]
-        self.lines = sorted({bisect.bisect_right(starts, m.start()) for m in self._NAMES.finditer(text)})
+        self.lines = sorted({bisect.bisect_right(starts, m.start()) for m in names.finditer(text)})
 
     def any_in(self, start: int, end: int) -> bool:
         i = bisect.bisect_left(self.lines, start)
         return i < len(self.lines) and self.lines[i] <= end
 
 
-def _why(fn: ast.AST, uses_mla_wrapper: bool) -> Set[str]:
+def _why(fn: ast.AST, uses_mla_wrapper: bool, runtime_calls: FrozenSet[str]) -> Set[str]:
     why: Set[str] = set()
     nodes = list(ast.walk(fn))
     calls = [n for n in nodes if isinstance(n, ast.Call)]
@@ -156,7 +155,7 @@ def _why(fn: ast.AST, uses_mla_wrapper: bool) -> Set[str]:
                 break
     for n in calls:
         name = _call_name(n)
-        if name in RUNTIME_CALLS:
+        if name in runtime_calls:
             why.add("patched")
         elif uses_mla_wrapper and (name == "fast_mla_decode_plan" or (name == "plan" and is_mla_plan_call(n))):
             why.add("plan")
@@ -197,13 +196,15 @@ def _first_line(node) -> int:
     return min([node.lineno] + [d.lineno for d in decs])
 
 
-def locate(tree: ast.Module, text: Optional[str] = None) -> Located:
+def locate(tree: ast.Module, text: Optional[str] = None, runtime_calls: FrozenSet[str] = frozenset()) -> Located:
     """`text`, the module's source, lets locate skip the functions (and the
-    module-wide walk) that cannot matter; the result is the same."""
+    module-wide walk) that cannot matter; the result is the same.
+    `runtime_calls`: the runtime functions the loaded rules emit (Rule.EMITS);
+    a function calling one holds a patched site."""
     units: List[Unit] = []
     classes: Dict[str, ClassFacts] = {}
     mod = ModuleFacts()
-    marks = MarkerLines(text) if text is not None else None
+    marks = MarkerLines(text, runtime_calls) if text is not None else None
     method_nodes: Dict[str, List[Tuple[ast.AST, str]]] = {}
     module_walk = text is None or MLA_WRAPPER in text or "_kvpatch_runtime" in text
 
@@ -245,7 +246,7 @@ def locate(tree: ast.Module, text: Optional[str] = None) -> Located:
                     start=start,
                     end=end,
                     first_param=first,
-                    why=_why(stmt, mod.uses_mla_wrapper) if marks is None or marks.any_in(start, end) else set(),
+                    why=_why(stmt, mod.uses_mla_wrapper, runtime_calls) if marks is None or marks.any_in(start, end) else set(),
                 )
                 if cq:
                     facts = classes[cq]

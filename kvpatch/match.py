@@ -292,6 +292,39 @@ class UnitContext:
         return out
 
 
+# -- consumers, as rules and reports name them ------------------------------
+def describe(c: Consumer, ctx: UnitContext) -> str:
+    if c.kind in ("call", "method") and c.call is not None:
+        return f"`{ctx.code(c.call.func)}`"
+    if c.kind == "return":
+        return f"a `return` (line {ctx.line(c.node)})"
+    if c.kind == "yield":
+        return f"a `yield` (line {ctx.line(c.node)})"
+    if c.kind == "store":
+        return f"an attribute or item store (line {ctx.line(c.node)})"
+    return f"`{ctx.code(c.node)}` (line {ctx.line(c.node)})"
+
+
+def consumer_names(consumers: List[Consumer], ctx: UnitContext) -> str:
+    seen = []
+    for c in consumers:
+        d = describe(c, ctx)
+        if d not in seen:
+            seen.append(d)
+    return ", ".join(seen) if seen else "nothing"
+
+
+def is_mla_run(c: Consumer) -> bool:
+    """The buffer reaches a wrapper's run() as ckv_cache or kpe_cache."""
+    return (
+        c.kind == "call"
+        and c.call is not None
+        and isinstance(c.call.func, cst.Attribute)
+        and c.call.func.attr.value == "run"
+        and (c.arg_index in (2, 3) or c.keyword in ("ckv_cache", "kpe_cache"))
+    )
+
+
 def _contains(root: cst.CSTNode, node: cst.CSTNode) -> bool:
     found = []
 

@@ -11,8 +11,12 @@ asks the rules, most specific first; a rule answers with a ``Decision`` or
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import pkgutil
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Type
 
 import libcst as cst
@@ -79,7 +83,42 @@ class Decision:
         return any(isinstance(e, (ReplaceNode, InsertStatement)) for e in self.edits)
 
 
+@dataclass
+class Patched:
+    """A rule recognised its own rewrite: `call` is the runtime call it emitted,
+    `buffer` the pool it reads (no longer an uncast pool), `dtype` the target."""
+
+    call: cst.Call
+    buffer: cst.BaseExpression
+    dtype: Optional[cst.BaseExpression]
+    reason: str
+
+
+@dataclass
+class Upstream:
+    """A rule recognised an upstream fix: a pool getter `call` that reaches the
+    kernel uncast, which `kernel` names."""
+
+    call: cst.Call
+    kernel: str
+    reason: str
+
+
 class Rule:
+    """The plugin contract. A rule file under rules/ defines one subclass.
+
+    The engine names no rule: it asks every loaded rule, in PRIORITY order,
+    - ``patched(call, ctx)``: is this call the rule's own rewrite? (a Patched)
+    - ``decide(candidate, ctx)``: a Decision for a candidate of its KIND, or None;
+    - ``fixed_upstream(getter_call, ctx)``: for a pool read no cast touched, is
+      this an upstream fix the rule knows? (an Upstream)
+    A rule with ``FALLBACK = True`` decides what no other rule claimed; it is
+    never selected by ID; ``--rules`` subsets choose who rewrites, not verdicts.
+    ``PAIRS_WITH`` names a rule whose rewrite (or patched form) must be in the
+    same file for this rule's rewrites to apply.
+    ``EMITS`` lists the runtime functions the rule's rewrites call.
+    """
+
     ID: ClassVar[str]
     NAME: ClassVar[str]
     SUMMARY: ClassVar[str]
@@ -92,6 +131,15 @@ class Rule:
     # Rewrite only in a file where this rule rewrites or has patched a site too
     # (a plan retargeted for a kernel input nobody changed would mismatch it).
     PAIRS_WITH: ClassVar[Optional[str]] = None
+    FALLBACK: ClassVar[bool] = False
+    EMITS: ClassVar[Tuple[str, ...]] = ()
+    enabled: bool = True  # False: selected out by --rules; decides, never rewrites
+
+    def patched(self, call: cst.Call, ctx) -> Optional[Patched]:
+        return None
+
+    def fixed_upstream(self, call: cst.Call, ctx) -> Optional[Upstream]:
+        return None
 
     def decide(self, target, ctx) -> Optional[Decision]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -101,24 +149,51 @@ class Rule:
         return any(ex.expected is not None for ex in self.INVALID)
 
 
-def load_rules(select: Optional[Sequence[str]] = None) -> List[Rule]:
-    """Every Rule subclass in kvpatch.rules, ordered by priority.
+# Extra rule folders (os.pathsep-separated), loaded after rules/: a rule
+# family can live outside this repository with no edit to kvpatch/.
+RULES_PATH_ENV = "KVPATCH_RULES_PATH"
 
-    `select` keeps the rules whose ID or NAME is listed; an unknown name
-    raises KeyError naming the known ones.
-    """
+
+def _rule_classes(mod) -> List[Type[Rule]]:
+    return [obj for obj in vars(mod).values()
+            if isinstance(obj, type) and issubclass(obj, Rule) and obj is not Rule
+            and obj.__module__ == mod.__name__ and getattr(obj, "ID", None)]
+
+
+def _modules() -> List[object]:
     import kvpatch.rules as pkg
 
-    found: List[Type[Rule]] = []
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"kvpatch.rules.{info.name}")
-        for obj in vars(mod).values():
-            if isinstance(obj, type) and issubclass(obj, Rule) and obj is not Rule \
-                    and obj.__module__ == mod.__name__ and getattr(obj, "ID", None):
-                found.append(obj)
+    mods = [importlib.import_module(f"{pkg.__name__}.{info.name}")
+            for info in pkgutil.iter_modules(pkg.__path__) if not info.name.startswith("_")]
+    for folder in filter(None, os.environ.get(RULES_PATH_ENV, "").split(os.pathsep)):
+        for path in sorted(Path(folder).glob("*.py")):
+            if path.name.startswith("_"):
+                continue
+            name = f"kvpatch_extra_rules.p{abs(hash(str(path.resolve())))}"
+            mod = sys.modules.get(name)
+            if mod is None:
+                spec = importlib.util.spec_from_file_location(name, path)
+                mod = importlib.util.module_from_spec(spec)
+                sys.modules[name] = mod
+                spec.loader.exec_module(mod)
+            mods.append(mod)
+    return mods
+
+
+def load_rules(select: Optional[Sequence[str]] = None) -> List[Rule]:
+    """Every Rule subclass in rules/ (and $KVPATCH_RULES_PATH), by priority.
+
+    `select` names (by ID or NAME) the rules that may rewrite; every rule
+    still decides, so a subset never changes a verdict, only what ``apply``
+    touches (the others are returned with ``enabled = False``). An unknown
+    name raises KeyError naming the known ones.
+    """
+    found: List[Type[Rule]] = [c for m in _modules() for c in _rule_classes(m)]
     rules = sorted((cls() for cls in found), key=lambda r: (r.PRIORITY, r.ID))
+    ids = [r.ID for r in rules]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"two rules share the id {', '.join(dup)}")
     if select:
         wanted = {s.strip() for s in select if s.strip()}
         known = {r.ID for r in rules} | {r.NAME for r in rules}
@@ -128,5 +203,6 @@ def load_rules(select: Optional[Sequence[str]] = None) -> List[Rule]:
                 f"unknown rule {', '.join(unknown)}; known: "
                 + ", ".join(f"{r.ID} ({r.NAME})" for r in rules)
             )
-        rules = [r for r in rules if r.ID in wanted or r.NAME in wanted]
+        for r in rules:
+            r.enabled = r.ID in wanted or r.NAME in wanted
     return rules

@@ -71,6 +71,7 @@ class FlashInferMlaPlanKvDtype(Rule):
     KIND = "plan"
     PRIORITY = 10
     PAIRS_WITH = "KVP101"
+    EMITS = ("plan_kv_dtype",)
     CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
                   "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
                   "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
@@ -267,7 +268,7 @@ class Updater:
         if kv is None or q is None or causal is None:
             missing = [n for n, a in (("kv_data_type", kv), ("q_data_type", q), ("causal", causal)) if a is None]
             return Decision(PLAN_UNSUPPORTED, f"no {', '.join(missing)} argument")
-        if is_runtime_call(kv.value, "plan_kv_dtype"):
+        if is_runtime_call(kv.value, self.EMITS[0]):
             return Decision(PLAN_PATCHED, "kv dtype chosen by the kvpatch runtime")
         if not ctx.file.module.uses_mla_wrapper:
             return Decision(PLAN_UNSUPPORTED, "no BatchMLAPagedAttentionWrapper in this file: not known to be an "
@@ -303,12 +304,12 @@ class Updater:
             # One argument per line already: lay the new call out the same way.
             indent = leading_ws(line_text)
             unit = "\t" if indent.startswith("\t") else "    "
-            text = call_text(f"{RUNTIME_ALIAS}.plan_kv_dtype", [(a, None) for a in args], indent, unit, column)
+            text = call_text(f"{RUNTIME_ALIAS}.{FlashInferMlaPlanKvDtype.EMITS[0]}", [(a, None) for a in args], indent, unit, column)
         else:
             text = f"{RUNTIME_ALIAS}.plan_kv_dtype({', '.join(args)})"
 
         def build(updated: cst.Arg) -> cst.Arg:
-            if is_runtime_call(updated.value, "plan_kv_dtype"):
+            if is_runtime_call(updated.value, FlashInferMlaPlanKvDtype.EMITS[0]):
                 return updated
             return updated.with_changes(value=parse_expr(text))
 

@@ -19,24 +19,13 @@ from kvpatch.candidates import CastCandidate
 from kvpatch.codegen import (IMPORT_LINE, RUNTIME_ALIAS, append_star_kwargs, call_text, comments_in,
                              has_star_kwargs_call, moved_code, parse_expr)
 from kvpatch.dataflow import loads_in
-from kvpatch.match import Consumer, UnitContext
-from kvpatch.rule import Decision, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
+from kvpatch.match import UnitContext, _contains, consumer_names, is_mla_run
+from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid
 from kvpatch.sites import HOT, UNSUPPORTED
 from kvpatch.units import leading_ws
 
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
 RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
-
-
-def is_mla_run(c: Consumer) -> bool:
-    """The buffer reaches a wrapper's run() as ckv_cache or kpe_cache."""
-    return (
-        c.kind == "call"
-        and c.call is not None
-        and isinstance(c.call.func, cst.Attribute)
-        and c.call.func.attr.value == "run"
-        and (c.arg_index in (2, 3) or c.keyword in ("ckv_cache", "kpe_cache"))
-    )
 
 
 def _code(node: cst.CSTNode) -> str:
@@ -49,6 +38,7 @@ class FlashInferMlaPoolCast(Rule):
     SUMMARY = "FlashInfer MLA full-pool KV cast -> page-gathered cast (or native FP8)"
     KIND = "cast"
     PRIORITY = 10
+    EMITS = ("kv_for_kernel", "run_kwargs")  # the cast; the run() of an FP8 wrapper
     CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
                   "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
                   "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
@@ -331,14 +321,20 @@ class B:
         ),
     )
 
+    def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
+        # what decide() emits: <alias>.kv_for_kernel(pool, wrapper, dtype, ...)
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == self.EMITS[0] and len(call.args) >= 3:
+            return Patched(call, call.args[0].value, call.args[2].value,
+                           f"kvpatch's page-gathered cast ({self.EMITS[0]}) is in place")
+        return None
+
     def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
         runs = [c for c in cand.consumers if is_mla_run(c)]
         if not runs or not ctx.file.module.uses_mla_wrapper:
             return None  # not a FlashInfer MLA consumer: not this rule's
         others = [c for c in cand.consumers if not is_mla_run(c)]
         if others:
-            from kvpatch.rules.kv_pool_cast import consumer_names
-
             return Decision(UNSUPPORTED, f"the cast also reaches {consumer_names(others, ctx)}; only a "
                                          f"wrapper's run() is known to read just the planned rows")
         if cand.form.kind != "to" or not cand.form.simple:
@@ -360,7 +356,7 @@ class B:
         kv_indptr = f"{self_name}.kv_indptr" if facts and self_name and "kv_indptr" in facts.self_attrs else None
         edits: List = [ReplaceNode(ctx.unit.qualname, cand.call, self._cast_builder(cand, ctx, w_code, kv_indptr)),
                        NeedRuntime()]
-        kw_value = f"{RUNTIME_ALIAS}.run_kwargs({w_code})"
+        kw_value = f"{RUNTIME_ALIAS}.{self.EMITS[1]}({w_code})"
         for c in runs:
             edits.append(ReplaceNode(ctx.unit.qualname, c.call, _run_builder(kw_value)))
         notes = self._sibling_notes(runs, cand, ctx)
@@ -431,7 +427,7 @@ class B:
                     (_code(dtype_arg.value).strip(), comment)]
             if kv_indptr:
                 args.append((f"kv_indptr={kv_indptr}", None))
-            text = call_text(f"{RUNTIME_ALIAS}.kv_for_kernel", args, indent, unit, column,
+            text = call_text(f"{RUNTIME_ALIAS}.{FlashInferMlaPoolCast.EMITS[0]}", args, indent, unit, column,
                              force_explode=multiline or comment is not None)
             return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
 
@@ -440,7 +436,7 @@ class B:
 
 def _run_builder(kw_value: str):
     def build(updated: cst.Call) -> cst.Call:
-        if has_star_kwargs_call(updated, "run_kwargs"):
+        if has_star_kwargs_call(updated, FlashInferMlaPoolCast.EMITS[1]):
             return updated
         return append_star_kwargs(updated, parse_expr(kw_value))
 
@@ -448,6 +444,4 @@ def _run_builder(kw_value: str):
 
 
 def _inside(root: cst.CSTNode, node: cst.CSTNode) -> bool:
-    from kvpatch.match import _contains
-
     return _contains(root, node)

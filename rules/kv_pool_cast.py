@@ -9,35 +9,16 @@ gathered (only indexed rows are cast), or fixed-upstream.
 
 from __future__ import annotations
 
-from typing import List
+from typing import Optional
+
+import libcst as cst
 
 from kvpatch.candidates import CastCandidate
-from kvpatch.match import Consumer, UnitContext
-from kvpatch.rule import Decision, Invalid, Rule, Valid
+from kvpatch.match import Consumer, UnitContext, consumer_names, describe, is_mla_run
+from kvpatch.rule import Decision, Invalid, Rule, Upstream, Valid
 from kvpatch.sites import FIXED_UPSTREAM, GATHERED, HOT, UNSUPPORTED
 
 PAGED_KEYWORDS = ("page_table", "block_table", "block_tables", "page_table_tensor")
-
-
-def describe(c: Consumer, ctx: UnitContext) -> str:
-    if c.kind in ("call", "method") and c.call is not None:
-        return f"`{ctx.code(c.call.func)}`"
-    if c.kind == "return":
-        return f"a `return` (line {ctx.line(c.node)})"
-    if c.kind == "yield":
-        return f"a `yield` (line {ctx.line(c.node)})"
-    if c.kind == "store":
-        return f"an attribute or item store (line {ctx.line(c.node)})"
-    return f"`{ctx.code(c.node)}` (line {ctx.line(c.node)})"
-
-
-def consumer_names(consumers: List[Consumer], ctx: UnitContext) -> str:
-    seen = []
-    for c in consumers:
-        d = describe(c, ctx)
-        if d not in seen:
-            seen.append(d)
-    return ", ".join(seen) if seen else "nothing"
 
 
 def paged_keyword(c: Consumer) -> str:
@@ -55,6 +36,7 @@ class KvPoolCast(Rule):
     SUMMARY = "Every cast of a KV-cache buffer, with its status and the reason"
     KIND = "cast"
     PRIORITY = 90
+    FALLBACK = True  # decides every KV-buffer cast no other rule claimed
     CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
                   "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
                   "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
@@ -150,12 +132,21 @@ def forward_extend(self, q, layer, forward_batch):
         ),
     )
 
+    def fixed_upstream(self, call: cst.Call, ctx: UnitContext) -> Optional[Upstream]:
+        # The FP8 pool handed to an MLA kernel with no cast anywhere on its way.
+        if not ctx.file.module.uses_mla_wrapper:
+            return None
+        runs = [c for c in ctx.consumers(call) if is_mla_run(c)]
+        if not runs:
+            return None
+        return Upstream(call, consumer_names(runs, ctx),
+                        "no cast: the pool reaches the MLA kernel as stored, which reads the KV-cache dtype "
+                        "itself (an upstream fix, or SGLang before the May 2025 cast): nothing to rewrite")
+
     def decide(self, cand: CastCandidate, ctx: UnitContext) -> Decision:
         kind = cand.origin.kind
         kernels = consumer_names(cand.consumers, ctx)
         if kind == "gathered":
-            from kvpatch.rules.fi_mla_pool_cast import is_mla_run
-
             if any(is_mla_run(c) for c in cand.consumers):
                 return Decision(FIXED_UPSTREAM, "the buffer is gathered before the cast: the MLA kernel's "
                                                 "rows are cast, not the pool (fixed upstream)")

@@ -23,8 +23,14 @@ def _cases(kind):
             yield pytest.param(rule, ex, id=f"{rule.ID}-{kind.lower()}-{i}")
 
 
-def _analyze(code: str):
-    return analyze_source(REL, textwrap.dedent(code).encode(), RULES)
+def _analyze(code: str, rules=RULES):
+    return analyze_source(REL, textwrap.dedent(code).encode(), rules)
+
+
+def _alone(rule):
+    """The rule by itself (with the rule it pairs with, without which it
+    never rewrites)."""
+    return [r for r in RULES if r.ID in (rule.ID, rule.PAIRS_WITH)]
 
 
 def _decided_by(fa, rule):
@@ -38,32 +44,39 @@ def test_every_rule_has_examples():
         assert rule.ID and rule.NAME and rule.SUMMARY and rule.CHECKED_ON
 
 
+ALONE = pytest.mark.parametrize("alone", [False, True], ids=["all-rules", "alone"])
+
+
+@ALONE
 @pytest.mark.parametrize("rule,ex", list(_cases("VALID")))
-def test_valid(rule, ex):
+def test_valid(rule, ex, alone):
+    rules = _alone(rule) if alone else RULES
     compile(textwrap.dedent(ex.code), "<valid>", "exec")
-    fa = _analyze(ex.code)
+    fa = _analyze(ex.code, rules)
     assert not fa.errors, fa.errors
     bad = [r for r in _decided_by(fa, rule) if r.status in NEEDS_ACTION + (PLAN_REWRITE,) or r.fixable]
     assert not bad, f"{rule.ID} must not act on VALID example ({ex.why}): {bad}"
-    assert plan_rewrite(fa, RULES) is None
+    assert plan_rewrite(fa, rules) is None
 
 
+@ALONE
 @pytest.mark.parametrize("rule,ex", list(_cases("INVALID")))
-def test_invalid(rule, ex):
+def test_invalid(rule, ex, alone):
+    rules = _alone(rule) if alone else RULES
     compile(textwrap.dedent(ex.code), "<invalid>", "exec")
-    fa = _analyze(ex.code)
+    fa = _analyze(ex.code, rules)
     assert not fa.errors, fa.errors
     mine = _decided_by(fa, rule)
     assert any(r.status == ex.status for r in mine), \
         f"{rule.ID} should report status {ex.status!r} ({ex.why}); got {[(r.status, r.reason) for r in mine]}"
-    rw = plan_rewrite(fa, RULES)
+    rw = plan_rewrite(fa, rules)
     if ex.expected is None:
         assert not any(r.fixable for r in mine), "a report-only example must not be rewritten"
         return
     assert rw is not None, "expected a rewrite"
     assert rw.new_text == textwrap.dedent(ex.expected)
-    again = analyze_source(REL, rw.new_bytes, RULES)
-    assert plan_rewrite(again, RULES) is None, "a second apply must change nothing"
+    again = analyze_source(REL, rw.new_bytes, rules)
+    assert plan_rewrite(again, rules) is None, "a second apply must change nothing"
     patched = [r for r in _decided_by(again, rule) + [s for s in again.sites if s.status == PATCHED]
                if r.status in (PATCHED, PLAN_PATCHED)]
     assert patched, "the rewritten example must audit as patched"
