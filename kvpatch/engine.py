@@ -160,6 +160,16 @@ def _select(fa: FileAnalysis, rules: Sequence[Rule]) -> None:
     rule decided above; the findings of rules left out are dropped here."""
     off = {r.ID for r in rules if not r.enabled}
     if off:
+        for d in fa.decided:
+            if d.rule is None or d.decision is None or not d.decision.fixable:
+                continue
+            left_out = next((i for i in (d.rule.ID, d.rule.PAIRS_WITH) if i in off), None)
+            if left_out:  # the verdict stands; nothing is rewritten
+                d.decision = Decision(d.decision.status, d.decision.reason, [], d.decision.notes
+                                      + [f"not rewritten: {left_out} is not among the selected rules"])
+                d.record.fixable = False
+                if isinstance(d.record, Site):
+                    d.record.notes.append(d.decision.notes[-1])
         fa.sites = [s for s in fa.sites if s.rule not in off]
         fa.plans = [p for p in fa.plans if p.rule not in off]
         fa.decided = [d for d in fa.decided if d.rule is None or d.rule.ID not in off]
@@ -263,14 +273,6 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallbac
                     status=FIXED_UPSTREAM, reason=got.reason, rule=owner.ID))
 
 
-def _unless_disabled(decision: Decision, rule: Optional[Rule]) -> Decision:
-    """A rule left out by --rules keeps its verdict but rewrites nothing."""
-    if rule is None or rule.enabled or not decision.fixable:
-        return decision
-    return Decision(decision.status, decision.reason, [],
-                    decision.notes + [f"not rewritten: {rule.ID} is not among the selected rules"])
-
-
 def _cast_form_name(cand: CastCandidate, ctx: UnitContext) -> str:
     if cand.origin.via_names:
         return "two-statement"
@@ -298,7 +300,6 @@ def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_r
         decision, rule = fallback.decide(cand, ctx), fallback
     if decision is None:
         decision = Decision(HOT, "full-pool cast; no rule handles it")
-    decision = _unless_disabled(decision, rule)
     buffer = cand.origin.getters[0] if cand.origin.getters else cand.receiver
     site = _site(
         ctx, cand.call, buffer=ctx.code(buffer), dtype=ctx.code(cand.form.dtype) if cand.form.dtype is not None
@@ -326,7 +327,6 @@ def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_r
 
     if decision is None:
         decision = Decision(PLAN_UNSUPPORTED, "no rule handles MLA plan calls")
-    decision = _unless_disabled(decision, rule)
     rec = PlanCall(
         file=ctx.file.rel, line=ctx.line(cand.call), qualname=ctx.unit.qualname,
         receiver=ctx.code(cand.receiver) if cand.receiver is not None else

@@ -118,9 +118,10 @@ _LEVEL = {"hot": "error", "unsupported": "warning"}
 
 def to_sarif(scan: ScanResult, rules) -> str:
     rule_ids = [r.ID for r in rules]
+    fallback = next((r.ID for r in rules if r.FALLBACK), rule_ids[0] if rule_ids else "")
     results = []
     for s in scan.sites:
-        rid = s.rule or "KVP201"
+        rid = s.rule or fallback
         results.append({
             "ruleId": rid,
             "ruleIndex": rule_ids.index(rid) if rid in rule_ids else 0,

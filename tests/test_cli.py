@@ -168,3 +168,40 @@ def test_codemod_never_imports_torch(example):
             "print('LOADED', bad)\n")
     out = subprocess.run([sys.executable, "-c", code, str(example)], capture_output=True, text=True)
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
+
+
+def test_rule_subset_keeps_verdicts_and_sarif_indexes_rules(example, tmp_path):
+    """Issue 10 item 8: --rules picks which findings are shown, never their
+    status (a gathered cast must not turn hot, a plan call must not turn
+    unsupported), and each SARIF result's ruleIndex names its own rule."""
+    full = json.loads(run("audit", "--json", example).stdout)
+    status = {(s["file"], s["line"], s["column"]): s["status"] for s in full["sites"]}
+    plan_status = {(p["file"], p["line"]): p["status"] for p in full["plan_calls"]}
+    for subset in ("KVP101", "KVP102", "KVP201", "KVP101,KVP102"):
+        doc = json.loads(run("audit", "--json", "--rules", subset, example).stdout)
+        assert doc["sites"] or doc["plan_calls"], subset
+        for s in doc["sites"]:
+            assert s["rule"] in subset.split(",")
+            assert s["status"] == status[(s["file"], s["line"], s["column"])], (subset, s)
+        for p in doc["plan_calls"]:
+            assert p["rule"] in subset.split(",")
+            assert p["status"] == plan_status[(p["file"], p["line"])], (subset, p)
+    for subset in (None, "KVP101"):
+        out = tmp_path / f"{subset}.sarif"
+        run("audit", "--sarif", "-o", out, *(["--rules", subset] if subset else []), example)
+        sarif = json.loads(out.read_text())["runs"][0]
+        ids = [r["id"] for r in sarif["tool"]["driver"]["rules"]]
+        assert {r["ruleId"] for r in sarif["results"]} - {"KVP201"}, "the example must hold more than one rule"
+        for r in sarif["results"]:
+            assert ids[r["ruleIndex"]] == r["ruleId"], r
+
+
+def test_a_rule_paired_with_a_left_out_rule_rewrites_nothing(example):
+    """KVP102 retargets plans only next to KVP101 casts: with KVP101 left out
+    the plans keep their verdict but apply must leave the tree as it is."""
+    before = tree_hashes(example)
+    doc = json.loads(run("audit", "--json", "--rules", "KVP102", example).stdout)
+    assert any(p["status"] == "rewrite" and not p["fixable"] for p in doc["plan_calls"])
+    r = run("apply", "--rules", "KVP102", example)
+    assert r.exit_code in (0, 1), r.output
+    assert tree_hashes(example) == before
