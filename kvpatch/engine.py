@@ -23,7 +23,7 @@ import libcst as cst
 from kvpatch import discover
 from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
 from kvpatch.classify import prove_noop
-from kvpatch.locate import MLA_PLAN_ARITY, MLA_PLAN_KEYWORDS, locate
+from kvpatch.locate import MLA_PLAN_ARITY, MLA_PLAN_KEYWORDS, MLA_PLAN_MAX_POSITIONAL, locate
 from kvpatch.match import POOL_GETTERS, FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
@@ -107,7 +107,7 @@ def _is_mla_plan(call: cst.Call) -> bool:
     if any(a.star for a in call.args):
         return False
     pos = [a for a in call.args if a.keyword is None]
-    return len(pos) + len(kws) >= MLA_PLAN_ARITY and len(pos) >= 8
+    return len(pos) + len(kws) >= MLA_PLAN_ARITY and 8 <= len(pos) <= MLA_PLAN_MAX_POSITIONAL
 
 
 def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:

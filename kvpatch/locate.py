@@ -20,6 +20,11 @@ MLA_WRAPPER = "BatchMLAPagedAttentionWrapper"
 # take fewer, or none of these MLA-only keywords.
 MLA_PLAN_KEYWORDS = {"head_dim_ckv", "head_dim_kpe", "kv_len_arr"}
 MLA_PLAN_ARITY = 12
+# BatchMLAPagedAttentionWrapper.plan takes at most 13 positional arguments (the
+# 12 above + use_profiler). More is another plan(): e.g. the JIT module's
+# `self._cached_module.plan(...)` of a decode wrapper (16 arguments, with
+# logits_soft_cap and head_dim where the MLA dtypes would be).
+MLA_PLAN_MAX_POSITIONAL = 13
 
 
 @dataclass
@@ -68,7 +73,8 @@ def is_mla_plan_call(node: ast.Call) -> bool:
     has_star = any(isinstance(a, ast.Starred) for a in node.args) or any(
         k.arg is None for k in node.keywords
     )
-    return not has_star and len(node.args) + len(kws) >= MLA_PLAN_ARITY and len(node.args) >= 8
+    return (not has_star and len(node.args) + len(kws) >= MLA_PLAN_ARITY
+            and 8 <= len(node.args) <= MLA_PLAN_MAX_POSITIONAL)
 
 
 def _call_name(node: ast.Call) -> Optional[str]:

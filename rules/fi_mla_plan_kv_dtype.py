@@ -79,6 +79,31 @@ class FlashInferMlaPlanKvDtype(Rule):
     VALID = (
         Valid(
             HEADER + """
+def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                     page_size, window_left=-1, logits_soft_cap=None, data_type="float16"):
+    self._cached_module.plan(
+        self._float_workspace_buffer,
+        self._int_workspace_buffer,
+        self._pin_memory_int_workspace_buffer,
+        indptr.to("cpu"),
+        len(last_page_len),
+        num_qo_heads,
+        num_kv_heads,
+        page_size,
+        self.is_cuda_graph_enabled,
+        window_left,
+        logits_soft_cap,
+        head_dim,
+        head_dim,
+        self.empty_q_data,
+        self.empty_kv_cache,
+    )
+""",
+            why="a decode wrapper's JIT plan (16 positional arguments; SGLang b11008465 "
+                "flashinfer_backend.py): not the MLA wrapper's plan(), not a plan call of this rule",
+        ),
+        Valid(
+            HEADER + """
 def replay(wrapper, qo, kvp, kvi, kvl, h, ckv, kpe, sm_scale, dt):
     fast_mla_decode_plan(wrapper, qo, kvp, kvi, kvl, h, ckv, kpe, 1, False, sm_scale, dt, dt)
 """,
