@@ -97,6 +97,15 @@ def _has_getter(node: ast.AST) -> bool:
     return any(isinstance(n, ast.Call) and _call_name(n) in KV_GETTERS for n in ast.walk(node))
 
 
+def reads_kv(node: ast.AST, tainted: Set[str]) -> bool:
+    """`node` holds a KV getter call or a name that may hold a KV buffer."""
+    return _has_getter(node) or bool(_names_in(node) & tainted)
+
+
+def kv_tainted(fn: ast.AST, nodes: Optional[List[ast.AST]] = None) -> Set[str]:
+    return _tainted(fn, nodes)
+
+
 def _tainted(fn: ast.AST, nodes: Optional[List[ast.AST]] = None) -> Set[str]:
     """Names that may hold (a view of) a KV buffer: flow-insensitive, so it
     over-approximates the libcst analysis and never drops a real site.
@@ -152,7 +161,7 @@ def _why(fn: ast.AST, uses_mla_wrapper: bool, runtime_calls: FrozenSet[str]) -> 
         for n in calls:
             name = _call_name(n)
             if isinstance(n.func, ast.Attribute) and (
-                (name in CAST_CALLS and (_has_getter(n.func.value) or _names_in(n.func.value) & tainted))
+                (name in CAST_CALLS and reads_kv(n.func.value, tainted))
                 or (name == "run" and uses_mla_wrapper
                     and any(_has_getter(a) or _names_in(a) & tainted
                             for a in list(n.args) + [k.value for k in n.keywords]))

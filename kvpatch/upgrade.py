@@ -106,6 +106,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from kvpatch import RULESET_VERSION, __version__
+from kvpatch.locate import KV_GETTERS, kv_tainted, reads_kv
 
 SCHEMA_ID = "kvpatch.upgrade/1"
 
@@ -120,7 +121,6 @@ EXIT_OK, EXIT_ACTION, EXIT_ERROR = 0, 1, 2
 _ACTION = ("hot", "unsupported")
 _HANDLED = ("patched",)
 _RESOLVED = ("gathered", "fixed-upstream", "no-op")
-KV_GETTERS = ("get_key_buffer", "get_value_buffer", "get_kv_buffer", "get_mla_kv_buffer")
 CAST_METHODS = ("float", "half", "bfloat16", "double")
 SOURCE_LINES = 40  # a function longer than this is shown in excerpts
 MOVED_SIMILARITY = 0.6  # a vanished function "moved" to a same-named one at least this alike
@@ -362,6 +362,19 @@ def _device_like(node: ast.AST) -> bool:
     return False
 
 
+# Identifiers that name KV-cache data even when no known getter is in sight
+# (a renamed getter, `self.token_to_kv_pool.fetch(...)`, a `k_buffer`): the
+# upgrade audit must still flag such a cast for a look by hand.
+_KV_WORD = re.compile(r"kv|k_buf|v_buf|key_buffer|value_buffer|kpe", re.IGNORECASE)
+
+
+def _of_kv_data(node: ast.AST, tainted) -> bool:
+    if reads_kv(node, tainted):
+        return True
+    return any(_KV_WORD.search(n.id if isinstance(n, ast.Name) else n.attr)
+               for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute)))
+
+
 def is_cast_call(node: ast.AST) -> bool:
     """`x.to(<dtype>)` (not a device move), `x.float()` and friends, `x.type(T)`."""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
@@ -463,7 +476,9 @@ class Functions:
         casts: List[Tuple[int, str]] = []
         plans = 0
         marks: List[int] = []
-        for n in ast.walk(fn):
+        nodes = list(ast.walk(fn))
+        tainted = kv_tainted(fn, nodes)
+        for n in nodes:
             if not isinstance(n, ast.Call):
                 continue
             f = n.func
@@ -476,7 +491,8 @@ class Functions:
                 marks.append(n.lineno)
             if name == "run":
                 marks.append(n.lineno)
-            if is_cast_call(n):
+            # Only a cast of KV data can be a site no rule finds; a cast of q or o is not.
+            if is_cast_call(n) and _of_kv_data(n.func.value, tainted):
                 code = ast.get_source_segment(text, n) or ""
                 casts.append((n.lineno, " ".join(code.split())[:160]))
                 marks.append(n.lineno)

@@ -281,6 +281,23 @@ def test_unmatched_function_shows_its_source(tmp_path):
     assert "| " + " " * 8 + "k_buffer = forward_batch.token_to_kv_pool.get_kv_cache_fp8" in human.output
 
 
+def test_a_cast_of_q_left_in_the_function_is_not_unmatched(tmp_path):
+    """Issue 10 item 6 (aiter forward_extend at ece8a1a78): upstream drops the
+    pool cast and casts q to the pool's dtype instead. Only casts of KV data
+    count; the site is fixed upstream and the audit exits 0."""
+    fixed = FI_SRC.replace(
+        "        k_buf = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)\n",
+        "        k_buf = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)\n"
+        "        q = q.to(self.kv_cache_dtype)\n        o = q.float()\n").replace(
+        "        return prefill_wrapper_paged.run(q, q_rope, k_buf[:, :, :512], k_buf[:, :, 512:])\n",
+        "        return mla_prefill_fwd(q, k_buf, o)\n")
+    assert fixed.count("mla_prefill_fwd") == 1
+    old, new = pair(tmp_path, {FI: fixed})
+    doc = upgrade_json(old, new)
+    e = one(doc, EXTEND)
+    assert e["category"] != "unmatched" and not e["action"], e
+
+
 def test_unmatched_long_function_is_excerpted_around_the_casts(tmp_path):
     filler = "".join(f"        x{i} = q.shape[{i % 3}]\n" for i in range(60))
     long_fn = FI_SRC.replace(
