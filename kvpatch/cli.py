@@ -355,7 +355,9 @@ def status(out: Out, path, as_json):
         out.echo(f"{out.style(st.state, bold=True)}: {st.detail}" if st.detail else st.state)
         for p in st.places:
             out.echo(f"  {p.file}{':' + str(p.line) if p.line else ''}: {p.what}")
-    out.info(f"kvpatch status: {st.state}, {len(st.places)} place(s); {time.perf_counter() - t0:.2f}s")
+        for p in st.errors:
+            out.error(f"{p.file}{':' + str(p.line) if p.line else ''}: {p.what}")
+    out.info(f"kvpatch status: {st.state}, {len(st.places)} place(s), {len(st.errors)} unreadable file(s); {time.perf_counter() - t0:.2f}s")
     sys.exit(st.exit_code)
 
 

@@ -111,6 +111,18 @@ def _is_mla_plan(call: cst.Call) -> bool:
 
 
 def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:
+    try:
+        return _analyze_source(rel, data, rules)
+    except RecursionError:
+        # ast, libcst and the locators all recurse per nesting level: a file
+        # nested too deeply for them is unparseable for kvpatch, like a
+        # syntax error, and the other files go on.
+        fa = FileAnalysis(rel)
+        fa.errors.append(FileError(rel, "does not parse: nested too deeply to analyse"))
+        return fa
+
+
+def _analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:
     fa = FileAnalysis(rel)
     try:
         fa.text, fa.encoding, fa.bom = decode(data)

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from kvpatch import write
 from kvpatch.engine import scan_tree
-from kvpatch.report import EXIT_ACTION, EXIT_DRIFT, EXIT_INTERRUPTED, EXIT_OK
+from kvpatch.report import EXIT_ACTION, EXIT_DRIFT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from kvpatch.runtime import runtime_version
 from kvpatch.sites import NEEDS_ACTION, PLAN_REWRITE
 from kvpatch.state import load, sha256
@@ -35,19 +35,28 @@ class Status:
     state: str
     places: List[Place] = field(default_factory=list)
     detail: str = ""
+    # Files the scan could not read or parse: their sites are unknown, so the
+    # answer is incomplete (exit 2) unless drift or an interrupted write says more.
+    errors: List[Place] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
+        if self.errors and self.state not in (DRIFTED, INTERRUPTED):
+            return EXIT_ERROR
         return {PATCHED: EXIT_OK, NOTHING: EXIT_OK, NOT_PATCHED: EXIT_ACTION, PARTLY: EXIT_ACTION,
                 DRIFTED: EXIT_DRIFT, INTERRUPTED: EXIT_INTERRUPTED}[self.state]
 
     def to_dict(self):
         return {"schema": "kvpatch.status/1", "state": self.state, "detail": self.detail,
-                "exit_code": self.exit_code, "places": [asdict(p) for p in self.places]}
+                "exit_code": self.exit_code, "places": [asdict(p) for p in self.places],
+                "errors": [asdict(p) for p in self.errors]}
 
 
 def status(root: Path, select=None) -> Status:
-    root = root.resolve()
+    return _status(root.resolve(), select)
+
+
+def _status(root: Path, select=None) -> Status:
     j = write.pending(root)
     if j is not None:
         files = [f["rel"] for f in j.get("files", [])]
@@ -56,6 +65,13 @@ def status(root: Path, select=None) -> Status:
                       f"`kvpatch recover` (or the next apply/revert) rolls them back")
     st = load(root)
     scan = scan_tree(root, select)
+    errors = [Place(e.file, e.message, e.line) for e in scan.all_errors]
+    found = _verdict(root, st, scan)
+    found.errors = errors
+    return found
+
+
+def _verdict(root: Path, st, scan) -> Status:
     fixable = [s for s in scan.sites if s.fixable] + [p for p in scan.plans if p.status == PLAN_REWRITE]
     if st is None:
         if fixable:

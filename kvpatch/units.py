@@ -172,6 +172,13 @@ class _Positions:
         return r
 
 
+def _ending(line: str) -> str:
+    for e in ("\r\n", "\n", "\r"):
+        if line.endswith(e):
+            return e
+    return "\n"
+
+
 def leading_ws(line: str) -> str:
     return line[: len(line) - len(line.lstrip(" \t"))]
 
@@ -187,12 +194,14 @@ def parse_unit(lines: List[str], unit: Unit) -> ParsedUnit:
         raise UnitParseError(f"{unit.qualname}: definition does not start its line")
     indent = leading_ws(first)
     header = ""
+    # The file's own line ending (CRLF, LF or CR-only): libcst lays out new
+    # lines with the first ending it sees, so the header must carry it.
+    newline = _ending(first)
     if indent:
-        newline = "\r\n" if first.endswith("\r\n") else "\n"
         header = "if 1:" + newline
     text = header + "".join(chunk)
     if not text.endswith(("\n", "\r")):
-        text += "\r\n" if first.endswith("\r\n") else "\n"
+        text += newline
         # Remember that the original last line had no newline.
     try:
         module = cst.parse_module(text)
