@@ -214,17 +214,11 @@ def _site(ctx: UnitContext, node: cst.CSTNode, *, buffer: str, dtype: str, form:
     )
 
 
-def _patched(rules, call: cst.Call, ctx: UnitContext):
+def _first(rules, hook: str, call: cst.Call, ctx: UnitContext):
+    """(rule, answer) of the first rule whose `hook` (patched, fixed_upstream)
+    recognises `call`; (None, None) if none does."""
     for r in rules:
-        got = r.patched(call, ctx)
-        if got is not None:
-            return r, got
-    return None, None
-
-
-def _upstream(rules, call: cst.Call, ctx: UnitContext):
-    for r in rules:
-        got = r.fixed_upstream(call, ctx)
+        got = getattr(r, hook)(call, ctx)
         if got is not None:
             return r, got
     return None, None
@@ -238,7 +232,7 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallbac
     for call in v.calls:
         func = call.func
         # -- a site a rule already rewrote -------------------------------------
-        owner, got = _patched(rules, call, ctx)
+        owner, got = _first(rules, "patched", call, ctx)
         if got is not None:
             # Its pool was cast (now page-gathered): not an uncast "direct" pool below.
             cast_getters.update(ctx.origin(got.buffer).getters)
@@ -278,7 +272,7 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallbac
     # -- a pool read no cast touched: an upstream fix some rule recognises --
     for call in direct:
         if call not in cast_getters:
-            owner, got = _upstream(rules, call, ctx)
+            owner, got = _first(rules, "fixed_upstream", call, ctx)
             if got is not None:
                 fa.sites.append(_site(
                     ctx, call, buffer=ctx.code(call), dtype="(none)", form="direct", kernel=got.kernel,
