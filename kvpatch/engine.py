@@ -16,7 +16,7 @@ import tokenize
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import libcst as cst
 
@@ -36,7 +36,7 @@ from kvpatch.units import ParsedUnit, UnitParseError, parse_unit, split_lines
 class Decided:
     """A candidate with the decision taken for it (kept for apply)."""
 
-    record: object  # Site | PlanCall
+    record: Union[Site, PlanCall]
     decision: Optional[Decision]
     rule: Optional[Rule]
 

@@ -9,7 +9,7 @@ from typing import Dict, List
 
 from kvpatch import RULESET_VERSION, __version__
 from kvpatch.engine import ScanResult
-from kvpatch.sites import NEEDS_ACTION, SITE_STATUSES
+from kvpatch.sites import NEEDS_ACTION, SITE_STATUSES, Site
 
 EXIT_OK = 0
 EXIT_ACTION = 1  # audit: unpatched hot sites remain; status: not/partly patched
@@ -193,7 +193,7 @@ def render_table(scan: ScanResult, style, verbose: int = 0) -> str:
         out.append(style(f, bold=True))
         for r in sorted(by_file[f], key=lambda r: r.line):
             st = style(f"{r.status:<14}", fg=colors.get(r.status))
-            if hasattr(r, "buffer"):
+            if isinstance(r, Site):
                 fix = " (apply rewrites it)" if r.fixable else ""
                 out.append(f"  {r.line:>5}  {st} {r.qualname} [{r.path}, {r.backend}] -> {r.kernel}{fix}")
                 out.append(f"         {'':14} {r.reason}")

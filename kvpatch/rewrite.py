@@ -18,6 +18,7 @@ import libcst as cst
 from kvpatch.codegen import IMPORT_LINE
 from kvpatch.engine import FileAnalysis, analyze_source, encode
 from kvpatch.rule import InsertStatement, NeedRuntime, ReplaceNode, Rule
+from kvpatch.sites import PlanCall, Site
 from kvpatch.units import splice
 
 
@@ -137,8 +138,8 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule]) -> Optional[FileRewrit
         lines = _add_import(lines, fa, nl)
     new_text = "".join(lines)
     after = _check(fa, new_text, rules)
-    sites = [d.record for d, _ in edits if hasattr(d.record, "buffer")]
-    plans = [d.record for d, _ in edits if not hasattr(d.record, "buffer")]
+    sites = [d.record for d, _ in edits if isinstance(d.record, Site)]
+    plans = [d.record for d, _ in edits if isinstance(d.record, PlanCall)]
     uniq = lambda xs: list({id(x): x for x in xs}.values())  # noqa: E731
     return FileRewrite(fa.rel, fa.text, new_text, encode(new_text, fa.encoding, fa.bom), needs_runtime,
                        uniq(sites), uniq(plans), after)
