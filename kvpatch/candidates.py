@@ -18,6 +18,11 @@ from kvpatch.match import CastForm, Consumer, Origin
 PLAN_PARAMS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads",
                "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale",
                "q_data_type", "kv_data_type")
+# SGLang's fast_mla_decode_plan / fast_mla_prefill_plan name three of them after
+# the host arrays they take; a call through `wrapper.plan = partial(...)` uses
+# those keywords.
+PLAN_PARAM_ALIASES = {"qo_indptr_cpu": "qo_indptr", "kv_indptr_cpu": "kv_indptr",
+                      "kv_len_arr_cpu": "kv_len_arr"}
 
 
 @dataclass
@@ -53,5 +58,5 @@ def bind_plan_args(call: cst.Call, skip_first: bool = False) -> Optional[dict]:
         out[name] = a
     for a in call.args:
         if a.keyword is not None:
-            out[a.keyword.value] = a
+            out[PLAN_PARAM_ALIASES.get(a.keyword.value, a.keyword.value)] = a
     return out

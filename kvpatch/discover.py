@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+from kvpatch.locate import MLA_PLAN_FUNCTIONS
+
 # A KV-buffer read, or a site kvpatch already rewrote (plain substrings: `bytes in`
 # is ~5x faster than a regex alternation) ...
 MARKERS = (b"get_key_buffer", b"get_value_buffer", b"get_kv_buffer", b"get_mla_kv_buffer",
            b"_kvpatch_runtime", b"kv_for_kernel", b"plan_kv_dtype")
 # ... or an MLA plan call, which only matters in a file using the MLA wrapper.
-PLAN = re.compile(rb"\.plan\b|fast_mla_decode_plan")
+PLAN = re.compile(rb"\.plan\b|" + "|".join(MLA_PLAN_FUNCTIONS).encode())
 
 
 def is_candidate(data: bytes) -> bool:

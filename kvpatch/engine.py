@@ -23,7 +23,8 @@ import libcst as cst
 from kvpatch import discover
 from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
 from kvpatch.classify import prove_noop
-from kvpatch.locate import MLA_PLAN_ARITY, MLA_PLAN_KEYWORDS, MLA_PLAN_MAX_POSITIONAL, locate
+from kvpatch.locate import (MLA_PLAN_ARITY, MLA_PLAN_FUNCTIONS, MLA_PLAN_KEYWORDS, MLA_PLAN_MAX_POSITIONAL,
+                            locate)
 from kvpatch.match import POOL_GETTERS, FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
@@ -188,9 +189,23 @@ def _select(fa: FileAnalysis, rules: Sequence[Rule]) -> None:
 
 
 def _pair_rules(fa: FileAnalysis) -> None:
-    """Drop the rewrites of a rule whose partner rule changes nothing in this file."""
-    from kvpatch.sites import PLAN_IGNORED, PLAN_REWRITE
+    """Drop the rewrites of a rule whose NEEDS_ALL rule cannot rewrite some finding
+    in this file, then those of a rule whose partner rule changes nothing here."""
+    from kvpatch.sites import PLAN_IGNORED, PLAN_PATCHED, PLAN_REWRITE, UNSUPPORTED
 
+    records = list(fa.sites) + list(fa.plans)
+    for d in fa.decided:
+        needed = getattr(d.rule, "NEEDS_ALL", None)
+        if not needed or d.decision is None or not d.decision.fixable:
+            continue
+        stuck = [r for r in records if r.rule == needed and not r.fixable
+                 and r.status not in (PATCHED, PLAN_PATCHED)]
+        if stuck:
+            r = stuck[0]
+            reason = (f"left as is: {needed} cannot rewrite line {r.line} ({r.reason}), so the runtime "
+                      f"would not learn every row the kernel reads")
+            d.decision = Decision(UNSUPPORTED, reason)
+            d.record.status, d.record.reason, d.record.fixable = UNSUPPORTED, reason, False
     for d in fa.decided:
         partner = getattr(d.rule, "PAIRS_WITH", None)
         if not partner or d.decision is None or not d.decision.fixable:
@@ -250,7 +265,7 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallbac
                 kw = any(a.keyword is not None and a.keyword.value in ("q_data_type", "kv_data_type")
                          for a in call.args)
                 plan = PlanCandidate(call, func.value, "keyword" if kw else "positional", args)
-        elif isinstance(func, cst.Name) and func.value == "fast_mla_decode_plan":
+        elif isinstance(func, cst.Name) and func.value in MLA_PLAN_FUNCTIONS:
             plan = PlanCandidate(call, None, "function", bind_plan_args(call, skip_first=True) or {})
         if plan is not None:
             _decide_plan(fa, ctx, plan, plan_rules)

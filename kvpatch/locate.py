@@ -25,6 +25,10 @@ MLA_PLAN_ARITY = 12
 # `self._cached_module.plan(...)` of a decode wrapper (16 arguments, with
 # logits_soft_cap and head_dim where the MLA dtypes would be).
 MLA_PLAN_MAX_POSITIONAL = 13
+# SGLang's own plan functions for an MLA wrapper, called with the wrapper first
+# (or bound to it as `wrapper.plan = partial(f, wrapper)`): they plan with host
+# arrays and skip parts of the stock plan().
+MLA_PLAN_FUNCTIONS = ("fast_mla_decode_plan", "fast_mla_prefill_plan")
 
 
 @dataclass
@@ -172,7 +176,7 @@ def _why(fn: ast.AST, uses_mla_wrapper: bool, runtime_calls: FrozenSet[str]) -> 
         name = _call_name(n)
         if name in runtime_calls:
             why.add("patched")
-        elif uses_mla_wrapper and (name == "fast_mla_decode_plan" or (name == "plan" and is_mla_plan_call(n))):
+        elif uses_mla_wrapper and (name in MLA_PLAN_FUNCTIONS or (name == "plan" and is_mla_plan_call(n))):
             why.add("plan")
     return why
 

@@ -115,7 +115,8 @@ class Rule:
     A rule with ``FALLBACK = True`` decides what no other rule claimed; it is
     never selected by ID; ``--rules`` subsets choose who rewrites, not verdicts.
     ``PAIRS_WITH`` names a rule whose rewrite (or patched form) must be in the
-    same file for this rule's rewrites to apply.
+    same file for this rule's rewrites to apply; ``NEEDS_ALL`` names a rule
+    every finding of which in the file must be rewritable or patched.
     ``EMITS`` lists the runtime functions the rule's rewrites call.
     """
 
@@ -131,6 +132,10 @@ class Rule:
     # Rewrite only in a file where this rule rewrites or has patched a site too
     # (a plan retargeted for a kernel input nobody changed would mismatch it).
     PAIRS_WITH: ClassVar[Optional[str]] = None
+    # Rewrite only where every finding of this rule in the same file is rewritten
+    # or patched: a gathered cast is right only if every call that tells the
+    # kernel its rows also tells the runtime.
+    NEEDS_ALL: ClassVar[Optional[str]] = None
     FALLBACK: ClassVar[bool] = False
     EMITS: ClassVar[Tuple[str, ...]] = ()
     enabled: bool = True  # False: selected out by --rules; decides, never rewrites

@@ -1,4 +1,4 @@
-"""KVP102 flashinfer-mla-plan-kv-dtype: plan the kv dtype the kernel will read.
+"""KVP102 flashinfer-mla-plan-kv-dtype: tell the runtime the rows and plan the kv dtype the kernel reads.
 
 A FlashInfer MLA `plan()` fixes the kernel's kv dtype. After KVP101 the kernel
 reads either the gathered bf16 rows or the FP8 pool itself, so the plan's kv
@@ -8,8 +8,13 @@ FP8 where the native kernel is selected, the original value otherwise. Only
 that argument changes (the decode plans pass `self.data_type` as both q and kv
 dtype: the attribute itself must stay). The model's KV-cache dtype is taken in
 the class's `__init__` from `model_runner.kv_cache_dtype`.
-`fast_mla_decode_plan` is reported but left alone: it ignores the dtypes (the
-capture-time plan chose the kernel).
+Every such call also gives the kernel its rows, so its kv_indptr argument is
+routed through `_kvpatch_rt.plan_rows(wrapper, kv_indptr)`: the runtime learns
+how many indices the next `run()` reads from the call itself. That covers the
+stock `wrapper.plan(...)` and SGLang's `fast_mla_decode_plan` and
+`fast_mla_prefill_plan` (called with the wrapper first, or bound to it as
+`wrapper.plan`), whose host-array plans leave the wrapper's own indptr buffer
+stale. The plain functions ignore their dtypes: only the rows are routed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,26 @@ def is_runtime_call(e: cst.BaseExpression, fn: str) -> bool:
     return isinstance(e, cst.Call) and isinstance(e.func, cst.Attribute) and e.func.attr.value == fn
 
 
+def _first_positional(call: cst.Call) -> Optional[cst.BaseExpression]:
+    pos = [a for a in call.args if a.keyword is None and not a.star]
+    return pos[0].value if pos else None
+
+
+def _route_builder(w_code: str, fn: str):
+    """kv_indptr -> <alias>.plan_rows(wrapper, kv_indptr), the value node kept as written."""
+    def build(updated: cst.Arg) -> cst.Arg:
+        if is_runtime_call(updated.value, fn):
+            return updated
+        call = cst.Call(
+            func=parse_expr(f"{RUNTIME_ALIAS}.{fn}"),
+            args=[cst.Arg(parse_expr(w_code), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                  cst.Arg(updated.value)],
+        )
+        return updated.with_changes(value=call)
+
+    return build
+
+
 def _model_runner_param(facts) -> Optional[str]:
     if facts is None or facts.init is None:
         return None
@@ -71,7 +96,7 @@ class FlashInferMlaPlanKvDtype(Rule):
     KIND = "plan"
     PRIORITY = 10
     PAIRS_WITH = "KVP101"
-    EMITS = ("plan_kv_dtype",)
+    EMITS = ("plan_kv_dtype", "plan_rows")  # the kv dtype argument; the kv_indptr argument
     CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
                   "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
                   "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
@@ -107,7 +132,7 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_
 def replay(wrapper, qo, kvp, kvi, kvl, h, ckv, kpe, sm_scale, dt):
     fast_mla_decode_plan(wrapper, qo, kvp, kvi, kvl, h, ckv, kpe, 1, False, sm_scale, dt, dt)
 """,
-            why="fast_mla_decode_plan ignores its dtypes",
+            why="no pool cast in this file: nothing needs the rows, so the plan stays as it is",
         ),
         Valid(
             """
@@ -156,10 +181,10 @@ class FlashInferMLAIndicesUpdaterDecode:
         self.attn_backend = attn_backend
 
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
-        wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 128, 512, 64, 1, False, sm_scale, self.data_type, _kvpatch_rt.plan_kv_dtype(wrapper, self.data_type, self.data_type, self._kvpatch_kv_cache_dtype, False))
+        wrapper.plan(q_indptr, _kvpatch_rt.plan_rows(wrapper, kv_indptr), kv_indices, kv_lens, 128, 512, 64, 1, False, sm_scale, self.data_type, _kvpatch_rt.plan_kv_dtype(wrapper, self.data_type, self.data_type, self._kvpatch_kv_cache_dtype, False))
 """ + BACKEND_PATCHED,
             status="rewrite",
-            why="positional decode plan: only argument 11 changes",
+            why="positional decode plan: kv_indptr (argument 1) is routed, the kv dtype (argument 11) retargeted",
         ),
         Invalid(
             HEADER + '''
@@ -194,7 +219,7 @@ class FlashInferMLAIndicesUpdaterDecode:
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
         wrapper.plan(
             qo_indptr=q_indptr,
-            kv_indptr=kv_indptr,
+            kv_indptr=_kvpatch_rt.plan_rows(wrapper, kv_indptr),
             kv_indices=kv_indices,
             kv_len_arr=kv_lens,
             num_heads=self.num_local_heads,
@@ -214,7 +239,7 @@ class FlashInferMLAIndicesUpdaterDecode:
         )
 ''' + BACKEND_PATCHED,
             status='rewrite',
-            why='keyword plan (v0.5.1 shape): only kv_data_type= changes',
+            why='keyword plan (v0.5.1 shape): kv_indptr= routed, kv_data_type= retargeted',
         ),
         Invalid(
             HEADER + '''
@@ -249,7 +274,7 @@ class FlashInferMLAIndicesUpdaterPrefill:
     def call_begin_forward(self, wrapper_paged, qo_indptr, kv_indptr, kv_indices, kv_len_arr, sm_scale):
         wrapper_paged.plan(
             qo_indptr,
-            kv_indptr,
+            _kvpatch_rt.plan_rows(wrapper_paged, kv_indptr),
             kv_indices,
             kv_len_arr,
             self.num_local_heads,
@@ -280,40 +305,159 @@ class Updater:
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
         wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale, self.data_type, self.data_type)
 ''' + BACKEND,
-            status='unsupported',
-            why='no model_runner in __init__: the KV-cache dtype is not reachable',
+            expected=HEADER + RT + '''
+class Updater:
+    def __init__(self, dtype):
+        self.data_type = dtype
+
+    def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
+        wrapper.plan(q_indptr, _kvpatch_rt.plan_rows(wrapper, kv_indptr), kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale, self.data_type, self.data_type)
+''' + BACKEND_PATCHED,
+            status='rewrite',
+            why='no model_runner in __init__: the KV-cache dtype is not reachable, so only the rows are routed '
+                '(gathered cast, no native FP8)',
+        ),
+        Invalid(
+            HEADER + '''
+class FlashInferMLAIndicesUpdaterPrefill:
+    def call_begin_forward(self, wrapper_paged, fast_verify_plan_kwargs, kv_indices, sm_scale):
+        fast_mla_decode_plan(
+            wrapper_paged,
+            fast_verify_plan_kwargs["qo_indptr_cpu"],
+            fast_verify_plan_kwargs["kv_indptr_cpu"],
+            kv_indices,
+            fast_verify_plan_kwargs["kv_len_arr_cpu"],
+            16, 512, 64, 1, True, sm_scale, self.q_data_type, self.data_type,
+        )
+''' + BACKEND,
+            expected=HEADER + RT + '''
+class FlashInferMLAIndicesUpdaterPrefill:
+    def call_begin_forward(self, wrapper_paged, fast_verify_plan_kwargs, kv_indices, sm_scale):
+        fast_mla_decode_plan(
+            wrapper_paged,
+            fast_verify_plan_kwargs["qo_indptr_cpu"],
+            _kvpatch_rt.plan_rows(wrapper_paged, fast_verify_plan_kwargs["kv_indptr_cpu"]),
+            kv_indices,
+            fast_verify_plan_kwargs["kv_len_arr_cpu"],
+            16, 512, 64, 1, True, sm_scale, self.q_data_type, self.data_type,
+        )
+''' + BACKEND_PATCHED,
+            status='rewrite',
+            why="SGLang 0.5.23's DFLASH verify replay plans with the plain function and host arrays; the wrapper's "
+                "own indptr buffer is never refreshed, so the rows must come from this call",
+        ),
+        Invalid(
+            HEADER + '''
+class Updater:
+    def replay(self, wrapper, qo, kvp, kvi, kvl, sm_scale):
+        fast_mla_prefill_plan(wrapper, qo, kv_indptr=kvp, kv_indices=kvi, kv_len_arr_cpu=kvl, num_heads=16,
+                              head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=True, sm_scale=sm_scale,
+                              q_data_type=self.dt, kv_data_type=self.dt)
+        wrapper.plan(qo, _kvpatch_rt.plan_rows(wrapper, kvp), kvi, kvl, 16, 512, 64, 1, True, sm_scale, self.dt, _kvpatch_rt.plan_kv_dtype(wrapper, self.dt, self.dt, self._kvpatch_kv_cache_dtype, True))
+''' + BACKEND,
+            expected=HEADER + RT + '''
+class Updater:
+    def replay(self, wrapper, qo, kvp, kvi, kvl, sm_scale):
+        fast_mla_prefill_plan(wrapper, qo, kv_indptr=_kvpatch_rt.plan_rows(wrapper, kvp), kv_indices=kvi, kv_len_arr_cpu=kvl, num_heads=16,
+                              head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=True, sm_scale=sm_scale,
+                              q_data_type=self.dt, kv_data_type=self.dt)
+        wrapper.plan(qo, _kvpatch_rt.plan_rows(wrapper, kvp), kvi, kvl, 16, 512, 64, 1, True, sm_scale, self.dt, _kvpatch_rt.plan_kv_dtype(wrapper, self.dt, self.dt, self._kvpatch_kv_cache_dtype, True))
+''' + BACKEND_PATCHED,
+            status='rewrite',
+            why="fast_mla_prefill_plan with a keyword kv_indptr; the stock plan() next to it is already patched",
+        ),
+        Invalid(
+            HEADER + '''
+class FlashInferMLAIndicesUpdaterDecode:
+    def call_begin_forward(self, wrapper, kv_indices, sm_scale, **fast_decode_kwargs):
+        wrapper.plan(
+            qo_indptr_cpu=fast_decode_kwargs["qo_indptr_cpu"],
+            kv_indptr_cpu=fast_decode_kwargs["kv_indptr_cpu"],
+            kv_indices=kv_indices,
+            kv_len_arr_cpu=fast_decode_kwargs["kv_len_arr_cpu"],
+            num_heads=16, head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=False,
+            sm_scale=sm_scale, q_data_type=self.dt, kv_data_type=self.dt,
+        )
+''' + BACKEND,
+            expected=HEADER + RT + '''
+class FlashInferMLAIndicesUpdaterDecode:
+    def call_begin_forward(self, wrapper, kv_indices, sm_scale, **fast_decode_kwargs):
+        wrapper.plan(
+            qo_indptr_cpu=fast_decode_kwargs["qo_indptr_cpu"],
+            kv_indptr_cpu=_kvpatch_rt.plan_rows(wrapper, fast_decode_kwargs["kv_indptr_cpu"]),
+            kv_indices=kv_indices,
+            kv_len_arr_cpu=fast_decode_kwargs["kv_len_arr_cpu"],
+            num_heads=16, head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=False,
+            sm_scale=sm_scale, q_data_type=self.dt, kv_data_type=self.dt,
+        )
+''' + BACKEND_PATCHED,
+            status='rewrite',
+            why="a replay plan through `wrapper.plan = partial(fast_mla_decode_plan, wrapper)`, with its "
+                "host-array keywords (SGLang 2025-08): kv_indptr_cpu= is the kv_indptr",
         ),
     )
 
     def decide(self, cand: PlanCandidate, ctx: UnitContext) -> Optional[Decision]:
+        dtype_fn, rows_fn = self.EMITS
+        indptr = cand.arg("kv_indptr")
+        wrapper = cand.receiver if cand.form != "function" else _first_positional(cand.call)
+        if indptr is None:
+            return Decision(PLAN_UNSUPPORTED, "no kv_indptr argument: the rows this plan gives the kernel "
+                                              "cannot be routed to the runtime")
+        if wrapper is None or not (simple_expr(wrapper) or isinstance(wrapper, cst.Name)):
+            code = ctx.code(wrapper) if wrapper is not None else "?"
+            return Decision(PLAN_UNSUPPORTED, f"the wrapper `{code}` is not a plain name or attribute: it "
+                                              f"would be evaluated twice")
+        routed = is_runtime_call(indptr.value, rows_fn)
+        w_code = ctx.code(wrapper)
+        route = [ReplaceNode(ctx.unit.qualname, indptr, _route_builder(w_code, rows_fn)), NeedRuntime()]
         if cand.form == "function":
-            return Decision(PLAN_IGNORED, "fast_mla_decode_plan ignores the dtypes: the capture-time plan "
-                                          "chose the kernel")
+            fn = ctx.code(cand.call.func)
+            if routed:
+                return Decision(PLAN_PATCHED, f"`{fn}` routes its rows through the kvpatch runtime")
+            return Decision(PLAN_REWRITE, f"`{fn}` gives the kernel its rows (its dtypes are ignored): "
+                                          f"kv_indptr routed through the runtime", route)
         kv, q, causal = cand.arg("kv_data_type"), cand.arg("q_data_type"), cand.arg("causal")
-        if kv is None or q is None or causal is None:
-            missing = [n for n, a in (("kv_data_type", kv), ("q_data_type", q), ("causal", causal)) if a is None]
-            return Decision(PLAN_UNSUPPORTED, f"no {', '.join(missing)} argument")
-        if is_runtime_call(kv.value, self.EMITS[0]):
-            return Decision(PLAN_PATCHED, "kv dtype chosen by the kvpatch runtime")
+        retargeted = kv is not None and is_runtime_call(kv.value, dtype_fn)
+        if retargeted and routed:
+            return Decision(PLAN_PATCHED, "rows routed and kv dtype chosen by the kvpatch runtime")
         if not ctx.file.module.uses_mla_wrapper:
             return Decision(PLAN_UNSUPPORTED, "no BatchMLAPagedAttentionWrapper in this file: not known to be an "
                                               "MLA wrapper")
-        for what, node in (("wrapper", cand.receiver), ("q dtype", q.value), ("kv dtype", kv.value),
-                           ("causal", causal.value)):
-            if node is None or not (simple_expr(node) or isinstance(node, cst.Name)):
-                return Decision(PLAN_UNSUPPORTED, f"the {what} argument `{ctx.code(node) if node else '?'}` is not a "
-                                                  f"plain name or attribute: it would be evaluated twice")
+        edits = [] if routed else list(route)
+        if retargeted:
+            return Decision(PLAN_REWRITE, "kv dtype already chosen by the runtime: kv_indptr routed through it",
+                            edits)
+        retarget = self._retarget(cand, ctx, kv, q, causal)
+        if isinstance(retarget, str):
+            # Rows alone keep the gathered cast exact; only the native FP8 path is lost.
+            return Decision(PLAN_REWRITE, f"kv_indptr routed through the runtime; kv dtype left as is: {retarget} "
+                                          f"(gathered cast only, no native FP8)", edits)
+        return Decision(
+            PLAN_REWRITE,
+            f"kv_indptr routed through the runtime; kv dtype fixed to `{ctx.code(kv.value)}`: retargeted to the "
+            f"runtime's choice (float8_e4m3fn where the native FP8 kernel is selected, else unchanged)",
+            edits + retarget + [NeedRuntime()],
+        )
+
+    def _retarget(self, cand: PlanCandidate, ctx: UnitContext, kv, q, causal):
+        """The edits that hand the kv dtype argument to the runtime, or why not."""
+        if kv is None or q is None or causal is None:
+            missing = [n for n, a in (("kv_data_type", kv), ("q_data_type", q), ("causal", causal)) if a is None]
+            return f"no {', '.join(missing)} argument"
+        for what, node in (("q dtype", q.value), ("kv dtype", kv.value), ("causal", causal.value)):
+            if not (simple_expr(node) or isinstance(node, cst.Name)):
+                return f"the {what} argument `{ctx.code(node)}` is not a plain name or attribute"
         self_name = ctx.unit.first_param
         facts = ctx.class_facts
         runner = _model_runner_param(facts)
         if not self_name or runner is None:
             cls = ctx.unit.class_qualname or "the enclosing scope"
-            return Decision(PLAN_UNSUPPORTED, f"cannot find the model's KV-cache dtype: `{cls}.__init__` has no "
-                                              f"model_runner parameter")
+            return f"the model's KV-cache dtype is not reachable (`{cls}.__init__` has no model_runner parameter)"
         init = ctx.file.units.get(facts.init.qualname)
         if init is None:
-            return Decision(PLAN_UNSUPPORTED, f"`{facts.init.qualname}` could not be parsed on its own")
-
+            return f"`{facts.init.qualname}` could not be parsed on its own"
+        dtype_fn = self.EMITS[0]
         init_self = facts.init.first_param or "self"
         anchor = self._anchor(init.func, init_self, {q.value, kv.value})
         insert = InsertStatement(
@@ -329,21 +473,16 @@ class Updater:
             # One argument per line already: lay the new call out the same way.
             indent = leading_ws(line_text)
             unit = "\t" if indent.startswith("\t") else "    "
-            text = call_text(f"{RUNTIME_ALIAS}.{FlashInferMlaPlanKvDtype.EMITS[0]}", [(a, None) for a in args], indent, unit, column)
+            text = call_text(f"{RUNTIME_ALIAS}.{dtype_fn}", [(a, None) for a in args], indent, unit, column)
         else:
-            text = f"{RUNTIME_ALIAS}.plan_kv_dtype({', '.join(args)})"
+            text = f"{RUNTIME_ALIAS}.{dtype_fn}({', '.join(args)})"
 
         def build(updated: cst.Arg) -> cst.Arg:
-            if is_runtime_call(updated.value, FlashInferMlaPlanKvDtype.EMITS[0]):
+            if is_runtime_call(updated.value, dtype_fn):
                 return updated
             return updated.with_changes(value=parse_expr(text))
 
-        return Decision(
-            PLAN_REWRITE,
-            f"kv dtype fixed to `{ctx.code(kv.value)}`: retargeted to the runtime's choice (float8_e4m3fn where "
-            f"the native FP8 kernel is selected, else unchanged)",
-            [ReplaceNode(ctx.unit.qualname, kv, build), insert, NeedRuntime()],
-        )
+        return [ReplaceNode(ctx.unit.qualname, kv, build), insert]
 
     @staticmethod
     def _anchor(init: cst.FunctionDef, self_name: str, dtype_nodes) -> Optional[cst.CSTNode]:

@@ -3,10 +3,12 @@
 `buf = pool.get_key_buffer(layer_id).to(q.dtype)` feeding a
 `BatchMLAPagedAttentionWrapper.run()` casts every slot of the layer's pool,
 though the kernel reads only the planned `kv_indices`. The cast becomes
-`_kvpatch_rt.kv_for_kernel(pool, wrapper, q.dtype, kv_indptr=...)`, which
-casts just those rows (or hands the FP8 pool straight to a wrapper planned
-for FP8), and the `run()` gets `**_kvpatch_rt.run_kwargs(wrapper)`, the FP8
-scales FlashInfer needs exactly when it was planned for FP8.
+`_kvpatch_rt.kv_for_kernel(pool, wrapper, q.dtype)`, which casts just
+those rows (or hands the FP8 pool straight to a wrapper planned for FP8),
+and the `run()` gets `**_kvpatch_rt.run_kwargs(wrapper)`, the FP8 scales
+FlashInfer needs exactly when it was planned for FP8. How many rows the
+kernel reads comes from the plan calls, which KVP102 routes through the
+runtime: a file with a plan call KVP102 cannot route keeps its cast.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class FlashInferMlaPoolCast(Rule):
     KIND = "cast"
     PRIORITY = 10
     EMITS = ("kv_for_kernel", "run_kwargs")  # the cast; the run() of an FP8 wrapper
+    NEEDS_ALL = "KVP102"  # every plan call tells the runtime its rows
     CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
                   "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
                   "sglang ea8f4e9f3 (2026-06-26)", "sglang 4ad990ba7 (2026-08-06)")
@@ -289,12 +292,11 @@ class B:
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             decode_wrapper,
             self.data_type,
-            kv_indptr=self.kv_indptr,
         )
         return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], **_kvpatch_rt.run_kwargs(decode_wrapper))
 ''',
             status='hot',
-            why="self.data_type as the dtype; the backend's self.kv_indptr is passed on",
+            why="self.data_type as the dtype; the backend's self.kv_indptr is not passed: the plan calls give the rows",
         ),
         Invalid(
             HEADER + '''
@@ -306,6 +308,21 @@ class B:
 ''',
             status='unsupported',
             why='the wrapper is bound only after the cast',
+        ),
+        Invalid(
+            HEADER + '''
+class B:
+    def plan(self, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale, dt):
+        self.wrappers[self.pick()].plan(q_indptr, kv_indptr, kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale, dt, dt)
+
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+''',
+            status='unsupported',
+            why="a plan call whose rows cannot be routed to the runtime (its wrapper expression would be "
+                "evaluated twice): a gathered cast could miss the rows that plan gives the kernel",
         ),
         Invalid(
             HEADER + '''
@@ -353,8 +370,7 @@ class B:
         w_code = ctx.code(w_node)
         facts = ctx.class_facts
         self_name = ctx.unit.first_param
-        kv_indptr = f"{self_name}.kv_indptr" if facts and self_name and "kv_indptr" in facts.self_attrs else None
-        edits: List = [ReplaceNode(ctx.unit.qualname, cand.call, self._cast_builder(cand, ctx, w_code, kv_indptr)),
+        edits: List = [ReplaceNode(ctx.unit.qualname, cand.call, self._cast_builder(cand, ctx, w_code)),
                        NeedRuntime()]
         kw_value = f"{RUNTIME_ALIAS}.{self.EMITS[1]}({w_code})"
         for c in runs:
@@ -408,7 +424,7 @@ class B:
 
     # -- builders ----------------------------------------------------------
     @staticmethod
-    def _cast_builder(cand: CastCandidate, ctx: UnitContext, w_code: str, kv_indptr: Optional[str]):
+    def _cast_builder(cand: CastCandidate, ctx: UnitContext, w_code: str):
         # Continuation lines line up with the line the cast starts on.
         indent = leading_ws(ctx.file.lines[ctx.line(cand.call) - 1])
         block_indent = leading_ws(ctx.file.lines[ctx.line(ctx.line_statement(cand.call)) - 1])
@@ -425,8 +441,6 @@ class B:
                 or (a.keyword is not None and a.keyword.value == "dtype")))
             args = [(moved_code(receiver, block_indent, unit), None), (w_code, None),
                     (_code(dtype_arg.value).strip(), comment)]
-            if kv_indptr:
-                args.append((f"kv_indptr={kv_indptr}", None))
             text = call_text(f"{RUNTIME_ALIAS}.{FlashInferMlaPoolCast.EMITS[0]}", args, indent, unit, column,
                              force_explode=multiline or comment is not None)
             return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)

@@ -59,7 +59,9 @@ def test_status_not_patched_then_drift(example):
     assert st.exit_code == 1 and st.output.startswith("not patched")
     assert run("apply", example).exit_code == 0
     p = example / FI_MLA
-    p.write_text(p.read_text().replace("kv_indptr=self.kv_indptr,\n        )", "kv_indptr=None,\n        )", 1))
+    # An edit inside forward_decode's rewritten cast (its wrapper argument).
+    p.write_text(p.read_text().replace("            decode_wrapper,\n            q.dtype,  # FP8",
+                                       "            self.other_wrapper,\n            q.dtype,  # FP8", 1))
     st = run("status", example)
     assert st.exit_code == 3 and st.output.startswith("drifted")
     assert "FlashInferMLAAttnBackend.forward_decode" in st.output

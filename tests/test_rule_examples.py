@@ -28,9 +28,9 @@ def _analyze(code: str, rules=RULES):
 
 
 def _alone(rule):
-    """The rule by itself (with the rule it pairs with, without which it
-    never rewrites)."""
-    return [r for r in RULES if r.ID in (rule.ID, rule.PAIRS_WITH)]
+    """The rule by itself (with the rules it pairs with or needs, without
+    which it never rewrites)."""
+    return [r for r in RULES if r.ID in (rule.ID, rule.PAIRS_WITH, rule.NEEDS_ALL)]
 
 
 def _decided_by(fa, rule):

@@ -44,15 +44,18 @@ def fake_native_host(monkeypatch, rt, version="0.6.18.post1", cap=(9, 0)):
 
 
 class FakeWrapper:
-    """The attributes of a planned flashinfer BatchMLAPagedAttentionWrapper we read."""
+    """A flashinfer BatchMLAPagedAttentionWrapper as a routed plan call leaves it: its
+    indices buffer, and the count plan_rows noted from the call's kv_indptr."""
 
     def __init__(self, indices=None, indptr=None, page_size=1, backend="fa3", device="cpu"):
-        if indices is not None:
-            self._kv_indices_buf = indices
-            self._kv_indptr_buf = indptr
         self._page_size = page_size
         self._backend = backend
         self.device = torch.device(device)
+        if indices is not None:
+            self._kv_indices_buf = indices
+            self._kv_indptr_buf = indptr
+            if indptr is not None:
+                _RT.plan_rows(self, indptr)
 
 
 def fp8_pool(*shape, seed=0):
@@ -132,24 +135,95 @@ def test_shadow_is_shared_across_layers_of_one_shape(rt, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "wrapper_n, backend_n, expect",
+    "planned_n, backend_n, expect",
     [
-        (10, 30, 30),  # CUDA-graph replay: the wrapper's indptr is stale and smaller
-        (10, 5, 10),  # the wrapper's is larger: max
-        (10, 999, 40),  # clamp to the indices buffer (DCP / verify)
+        (10, 30, 10),  # the backend's buffer says more: not what the kernel was planned with
+        (10, 5, 10),
+        (10, 999, 10),
+        (999, 0, 40),  # clamp to the indices buffer (DCP / verify)
         (-4, -2, 0),  # garbage negative counts write nothing
     ],
 )
-def test_count_is_max_of_both_indptrs_clamped(rt, monkeypatch, wrapper_n, backend_n, expect):
+def test_count_is_the_routed_plans_clamped(rt, monkeypatch, planned_n, backend_n, expect):
     set_mode(monkeypatch, rt, "gather")
     kv = fp8_pool(100, 1, 576)
     idx = torch.randperm(100, generator=torch.Generator().manual_seed(3))[:40].to(torch.int32)
-    w = FakeWrapper(idx, i32([0, 0, wrapper_n]))
-    backend_indptr = i32([0, 1, backend_n, 77, 88])  # longer: max-bs sized
+    w = FakeWrapper(idx, i32([0, 0, planned_n]))
+    backend_indptr = i32([0, 1, backend_n, 77, 88])  # max-bs sized, passed by kvpatch 0.1 rewrites
     out = gather_twice(rt, kv, w, kv_indptr=backend_indptr)
     read = idx[:expect].long()
     assert torch.equal(bits(out[read]), bits(kv.to(BF16)[read]))
     assert is_poison(out[~row_mask(100, read)])
+
+
+def test_stale_wrapper_indptr_is_not_the_count(rt, monkeypatch):
+    """SGLang 0.5.23's DFLASH verify replay: fast_mla_decode_plan gets host arrays and
+    never refreshes the wrapper's _kv_indptr_buf (capture-time: 20 rows). The routed
+    plan's kv_indptr (9,389 rows) is what the kernel reads."""
+    set_mode(monkeypatch, rt, "gather")
+    kv = fp8_pool(12000, 1, 576)
+    idx = torch.randperm(12000, generator=torch.Generator().manual_seed(5))[:10000].to(torch.int32)
+    w = FakeWrapper(idx, i32([0, 20]))  # capture-time plan
+    rt.plan_rows(w, torch.tensor([0, 4000, 9389], dtype=torch.int32))  # the replay's plan call
+    assert int(w._kv_indptr_buf[-1]) == 20  # stale, as on the GPU
+    out = gather_twice(rt, kv, w)
+    read = idx[:9389].long()
+    assert torch.equal(bits(out[read]), bits(kv.to(BF16)[read]))
+    assert is_poison(out[~row_mask(12000, read)])
+
+
+def test_sabotaged_count_from_the_wrapper_buffer_misses_rows(rt, monkeypatch):
+    """The check above can fail: a runtime that counts from _kv_indptr_buf (kvpatch 0.1)
+    leaves rows the kernel reads as poison."""
+    set_mode(monkeypatch, rt, "gather")
+    kv = fp8_pool(12000, 1, 576)
+    idx = torch.randperm(12000, generator=torch.Generator().manual_seed(5))[:10000].to(torch.int32)
+    w = FakeWrapper(idx, i32([0, 20]))
+    real = rt.plan_rows
+    monkeypatch.setattr(rt, "plan_rows", lambda wrapper, kv_indptr: kv_indptr)  # the count is never updated
+    rt.plan_rows(w, torch.tensor([0, 4000, 9389], dtype=torch.int32))
+    out = gather_twice(rt, kv, w)
+    read = idx[:9389].long()
+    assert is_poison(out[read[20:]])  # rows 20.. of what the kernel reads were never cast
+    assert real is not rt.plan_rows
+
+
+def test_unplanned_wrapper_casts_the_whole_pool(rt, monkeypatch, caplog):
+    """No routed plan was seen (a plan call the rewrite missed, an old patch): slow, never wrong."""
+    set_mode(monkeypatch, rt, "gather")
+    kv = fp8_pool(64, 1, 576)
+    w = FakeWrapper()
+    w._kv_indices_buf, w._kv_indptr_buf = i32([1, 2, 3]), i32([0, 3])  # planned behind kvpatch's back
+    with caplog.at_level(logging.WARNING, logger="kvpatch.runtime"):
+        out = rt.kv_for_kernel(kv, w, BF16)
+    assert torch.equal(bits(out), bits(kv.to(BF16)))
+    assert "no plan of FakeWrapper was routed" in caplog.text
+
+
+def test_plan_rows_keeps_one_count_tensor_per_wrapper(rt, monkeypatch):
+    """A captured graph reads the count tensor it saw at capture: later plans must
+    write into that same tensor, never rebind it."""
+    w = FakeWrapper(i32([5, 6, 7, 8]), i32([0, 2]))
+    first = w._kvpatch_rows
+    assert rt.plan_rows(w, i32([0, 1, 3])) is not None
+    assert w._kvpatch_rows is first and int(first) == 3
+    dev = i32([0, 4])
+    assert rt.plan_rows(w, dev) is dev  # the plan call still gets its own argument
+    assert w._kvpatch_rows is first and int(first) == 4
+
+
+def test_host_indptr_inside_capture_is_not_frozen(rt, monkeypatch, caplog):
+    """A host count inside graph capture would be baked into the graph: unknown instead."""
+    set_mode(monkeypatch, rt, "gather")
+    kv = fp8_pool(32, 1, 576)
+    w = FakeWrapper(i32([1, 2, 3]), i32([0, 2]))
+    monkeypatch.setattr(rt, "_capturing", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="kvpatch.runtime"):
+        rt.plan_rows(w, i32([0, 3]))
+    monkeypatch.setattr(rt, "_capturing", lambda: False)
+    out = rt.kv_for_kernel(kv, w, BF16)
+    assert torch.equal(bits(out), bits(kv.to(BF16)))  # whole pool, correct
+    assert "host kv_indptr inside graph capture" in caplog.text
 
 
 def test_backend_indptr_too_short_is_ignored(rt, monkeypatch):
@@ -454,7 +528,7 @@ def test_version_stamps_are_literal_strings():
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     found[t.id] = node.value.value
-    assert found["__kvpatch_runtime_version__"] == "1"
+    assert found["__kvpatch_runtime_version__"] == "2"
     assert isinstance(found["__kvpatch_version__"], str) and found["__kvpatch_version__"]
 
 

@@ -174,8 +174,7 @@ SHORT = _wrap_runtime('''
 def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
     # Sabotage: the gather casts one row fewer than the kernel reads.
     full = wrapper._kv_indices_buf
-    n = int(max(int(wrapper._kv_indptr_buf[-1]),
-                int(kv_indptr[wrapper._kv_indptr_buf.numel() - 1]) if kv_indptr is not None else 0))
+    n = int(wrapper.__dict__[_COUNT_ATTR])
     wrapper._kv_indices_buf = full[: max(0, min(n, full.numel()) - 1)]
     try:
         return _kvverify_real(kv_buffer, wrapper, q_dtype, None)
@@ -184,12 +183,18 @@ def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
 ''')
 
 
-STALE = _wrap_runtime('''
-def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
-    # Sabotage: ignore the backend's kv_indptr, which is all that is fresh under
-    # CUDA-graph replay (the wrapper's _kv_indptr_buf still holds the capture batch).
-    return _kvverify_real(kv_buffer, wrapper, q_dtype, None)
-''')
+STALE = RUNTIME.read_text() + '''
+
+_kvverify_plan_rows = plan_rows
+
+
+def plan_rows(wrapper, kv_indptr):
+    # Sabotage: a graph wrapper's count is noted by its first plan (at capture) and
+    # never refreshed, as when it is read from a buffer that replay does not rewrite.
+    if not getattr(wrapper, "_use_cuda_graph", False) or wrapper.__dict__.get(_COUNT_ATTR) is None:
+        return _kvverify_plan_rows(wrapper, kv_indptr)
+    return kv_indptr
+'''
 
 
 def test_catches_stale_indptr_under_replay(tmp_path):

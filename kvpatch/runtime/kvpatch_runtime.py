@@ -17,12 +17,13 @@ import re
 
 import torch
 
-__kvpatch_runtime_version__ = "1"
+__kvpatch_runtime_version__ = "2"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
     "mode",
     "plan_kv_dtype",
+    "plan_rows",
     "kv_for_kernel",
     "run_kwargs",
     "gather_cast",
@@ -269,8 +270,77 @@ def _shadow(kv_buffer, dtype):
     return buf
 
 
+# What a routed plan call left on its wrapper: the device count of indices the
+# next run() reads. One persistent tensor per wrapper, so a captured graph reads
+# what the plan before each replay wrote.
+_COUNT_ATTR = "_kvpatch_rows"
+
+
+def _capturing():
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def _wrapper_device(wrapper, kv_indptr):
+    device = getattr(wrapper, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    indices = getattr(wrapper, "_kv_indices_buf", None)
+    if isinstance(indices, torch.Tensor):
+        return indices.device
+    return kv_indptr.device
+
+
+def plan_rows(wrapper, kv_indptr):
+    """Pass kv_indptr through to a plan call, noting how many indices run() reads.
+
+    Every call that gives a FlashInfer MLA wrapper its indices (wrapper.plan,
+    fast_mla_decode_plan, fast_mla_prefill_plan) routes its kv_indptr here, so the
+    count comes from the call itself, not from wrapper state that some plan paths
+    never refresh. A host indptr is read on the host (no sync); a device indptr is
+    copied on the device (a graph that captured the copy replays it). A host value
+    inside graph capture would be frozen into the graph: the wrapper is then marked
+    unknown and kv_for_kernel casts the whole pool.
+    """
+    try:
+        if not isinstance(kv_indptr, torch.Tensor) or kv_indptr.dim() != 1:
+            raise TypeError("kv_indptr is not a 1-D tensor")
+        count = wrapper.__dict__.get(_COUNT_ATTR)
+        device = _wrapper_device(wrapper, kv_indptr)
+        if count is None or count.device != device:
+            if _capturing():
+                raise RuntimeError("first plan of this wrapper inside graph capture")
+            count = torch.zeros(1, dtype=torch.int64, device=device)
+        if kv_indptr.numel() == 0:
+            count.zero_()
+        elif kv_indptr.device.type == "cpu":
+            if _capturing():
+                raise RuntimeError("host kv_indptr inside graph capture")
+            count.fill_(int(kv_indptr[-1]))
+        else:
+            count.copy_(kv_indptr[-1:])
+        wrapper.__dict__[_COUNT_ATTR] = count
+    except Exception as exc:
+        try:
+            wrapper.__dict__[_COUNT_ATTR] = None  # unknown: whole-pool cast
+        except Exception:
+            pass
+        _warn_once(("plan_rows", type(wrapper).__name__, str(exc)),
+                   "kvpatch: rows of %s unknown (%s); casting the whole pool",
+                   type(wrapper).__name__, exc)
+    return kv_indptr
+
+
 def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
-    """What the kernel reads in place of kv_buffer.to(q_dtype)."""
+    """What the kernel reads in place of kv_buffer.to(q_dtype).
+
+    The rows are wrapper._kv_indices_buf[:n] (the indices run() reads), n as the
+    last routed plan call noted it (plan_rows). kv_indptr is accepted for call sites
+    written by kvpatch 0.1 and not read: a backend's indptr buffer is not always
+    the one the kernel was planned with.
+    """
     if mode() == "off":
         return kv_buffer.to(q_dtype)
     if kv_buffer.dtype == q_dtype:
@@ -278,17 +348,16 @@ def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
     if kv_buffer.dtype is _FP8 and _planned_fp8(wrapper):
         return kv_buffer
     indices = getattr(wrapper, "_kv_indices_buf", None)
-    indptr = getattr(wrapper, "_kv_indptr_buf", None)
+    count = getattr(wrapper, "__dict__", {}).get(_COUNT_ATTR)
     if not (
         isinstance(indices, torch.Tensor)
-        and isinstance(indptr, torch.Tensor)
-        and indptr.numel() > 0
+        and isinstance(count, torch.Tensor)
         and indices.device == kv_buffer.device
-        and indptr.device == kv_buffer.device
+        and count.device == kv_buffer.device
     ):
         _warn_once(
             ("unplanned", type(wrapper).__name__),
-            "kvpatch: %s is not a planned FlashInfer MLA wrapper on the pool's device; "
+            "kvpatch: no plan of %s was routed through kvpatch on the pool's device; "
             "casting the whole pool",
             type(wrapper).__name__,
         )
@@ -301,22 +370,12 @@ def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
         )
         return kv_buffer.to(q_dtype)
     shadow = _shadow(kv_buffer, q_dtype)
-    pos = indptr.numel() - 1
-    # Under CUDA-graph replay SGLang refreshes the backend's kv_indptr, not the
-    # wrapper's: read both and take the max.
-    use2 = (
-        isinstance(kv_indptr, torch.Tensor)
-        and kv_indptr.device == kv_buffer.device
-        and kv_indptr.numel() > pos
-    )
     gather_cast(
         kv_buffer,
         shadow,
         indices,
-        indptr,
-        pos,
-        kv_indptr if use2 else None,
-        pos,
+        count,
+        0,
         rows_per_index=int(getattr(wrapper, "_page_size", 1) or 1),
     )
     return shadow

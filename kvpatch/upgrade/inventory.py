@@ -8,7 +8,7 @@ import re
 import textwrap
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
-from kvpatch.locate import KV_GETTERS, kv_tainted, reads_kv
+from kvpatch.locate import KV_GETTERS, MLA_PLAN_FUNCTIONS, kv_tainted, reads_kv
 from kvpatch.upgrade.gitref import RefTree
 from kvpatch.upgrade.model import CAST_METHODS, FunctionInfo, SOURCE_LINES
 
@@ -183,7 +183,7 @@ class Functions:
             if name in KV_GETTERS:
                 reads = True
                 marks.append(n.lineno)
-            if name in ("plan", "fast_mla_decode_plan"):
+            if name == "plan" or name in MLA_PLAN_FUNCTIONS:
                 plans += 1
                 marks.append(n.lineno)
             if name == "run":

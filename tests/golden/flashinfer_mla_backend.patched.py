@@ -199,7 +199,6 @@ class FlashInferMLAAttnBackend(AttentionBackend):
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 prefill_wrapper_paged,
                 q.dtype,
-                kv_indptr=self.kv_indptr,
             )
         if q_rope is None:
             qall = q.view(-1, layer.tp_q_head_num, layer.head_dim)
@@ -247,7 +246,6 @@ class FlashInferMLAAttnBackend(AttentionBackend):
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             decode_wrapper,
             q.dtype,  # FP8 storage -> query dtype
-            kv_indptr=self.kv_indptr,
         )
 
         o = q_nope.new_empty(q_nope.shape)
@@ -329,7 +327,7 @@ class FlashInferMLAIndicesUpdaterDecode:
         if not init_metadata_replay:
             wrapper.plan(
                 q_indptr,
-                kv_indptr,
+                _kvpatch_rt.plan_rows(wrapper, kv_indptr),
                 kv_indices,
                 kv_lens,
                 self.num_local_heads,
@@ -350,7 +348,7 @@ class FlashInferMLAIndicesUpdaterDecode:
         else:
             wrapper.plan(
                 fast_decode_kwargs["qo_indptr_cpu"],
-                fast_decode_kwargs["kv_indptr_cpu"],
+                _kvpatch_rt.plan_rows(wrapper, fast_decode_kwargs["kv_indptr_cpu"]),
                 kv_indices,
                 fast_decode_kwargs["kv_len_arr_cpu"],
                 self.num_local_heads,
@@ -441,7 +439,7 @@ class FlashInferMLAIndicesUpdaterPrefill:
         kv_len_arr = kv_indptr[1:] - kv_indptr[:-1]
         wrapper_paged.plan(
             qo_indptr,
-            kv_indptr,
+            _kvpatch_rt.plan_rows(wrapper_paged, kv_indptr),
             kv_indices,
             kv_len_arr,
             self.num_local_heads,

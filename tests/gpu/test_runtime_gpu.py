@@ -38,12 +38,15 @@ def rt(monkeypatch):
 
 
 class FakeWrapper:
+    """A wrapper as a routed plan call leaves it: indices buffer plus plan_rows' count."""
+
     def __init__(self, indices, indptr, page_size=1):
         self._kv_indices_buf = indices
         self._kv_indptr_buf = indptr
         self._page_size = page_size
         self._backend = "fa3"
         self.device = indices.device
+        _RT.plan_rows(self, indptr)
 
 
 def fp8_pool(*shape, seed=0):
@@ -171,7 +174,7 @@ def test_kv_for_kernel_uses_triton_and_never_syncs(rt, monkeypatch):
     monkeypatch.setattr(rt, "_gather_cast_torch", no_torch)
     kv = fp8_pool(30_000, 1, 576, seed=13)
     idx = rand_slots(5000, 30_000, seed=14)
-    w = FakeWrapper(idx, i32([0, 2000, 4000]))
+    w = FakeWrapper(idx, i32([0, 2000, 4500]))
     backend_indptr = i32([0, 2000, 4500, 0])
     rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)  # warm-up: compile, shadow
     rt.poison_shadows()
@@ -204,7 +207,12 @@ def test_no_new_cuda_memory_per_call(rt):
 # --------------------------------------------------------------------------- CUDA graphs
 
 
-def test_cuda_graph_replay_follows_in_place_indices_and_indptr(rt, monkeypatch):
+@pytest.mark.parametrize("plan_indptr", ["host", "device"])
+def test_cuda_graph_replay_follows_the_routed_plan(rt, monkeypatch, plan_indptr):
+    """SGLang's replays: indices rewritten in place, then a plan outside the graph.
+    host: fast_mla_decode_plan's host kv_indptr (SGLang 0.5.23's DFLASH verify: the
+    wrapper's own indptr buffer stays at its capture-time value); device: a stock
+    plan() with the backend's kv_indptr rewritten in place."""
     def no_torch(*a, **k):
         raise AssertionError("torch fallback used on CUDA")
 
@@ -212,40 +220,45 @@ def test_cuda_graph_replay_follows_in_place_indices_and_indptr(rt, monkeypatch):
     slots, cap_buf, bs = 150_000, 65_536, 3
     kv = fp8_pool(slots, 1, 576, seed=17)
     indices = torch.zeros(cap_buf, dtype=torch.int32, device=DEV)  # SGLang's fixed buffer
-    stale_n = 1000
-    wrapper_indptr = i32([0, 400, 700, stale_n])  # the wrapper's copy: stale on replay
-    backend_indptr = torch.zeros(9, dtype=torch.int32, device=DEV)  # max_bs + 1 entries
+    capture_n = 20
+    wrapper_indptr = i32([0, 5, 10, capture_n])  # the wrapper's copy: never refreshed
+    device_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
     w = FakeWrapper(indices, wrapper_indptr)
     gen = torch.Generator(device=DEV).manual_seed(18)
 
-    def fill(n):
-        # New valid entries, plus stale junk after them as SGLang leaves it.
+    def plan(n):
+        # New valid entries, plus stale junk after them as SGLang leaves it ...
         indices.copy_(torch.randint(0, slots, (cap_buf,), generator=gen, device=DEV,
                                     dtype=torch.int32))
-        backend_indptr.fill_(0)
-        backend_indptr[bs] = n
+        # ... then the plan call, routed as the rewrite routes it.
+        if plan_indptr == "host":
+            rt.plan_rows(w, torch.tensor([0, 0, 0, n], dtype=torch.int32))
+        else:
+            device_indptr.fill_(0)
+            device_indptr[bs] = n
+            rt.plan_rows(w, device_indptr)
 
-    fill(stale_n)
+    plan(capture_n)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):  # warm-up: compile and allocate the shadow before capture
-            rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)
+            rt.kv_for_kernel(kv, w, BF16)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = rt.kv_for_kernel(kv, w, BF16, kv_indptr=backend_indptr)
+        out = rt.kv_for_kernel(kv, w, BF16)
 
     full = kv.to(BF16)  # a fresh full cast: the reference
-    for n in [stale_n, 20_000, 50, cap_buf, 7, 40_000, 10**8]:
-        fill(n)
+    for n in [capture_n, 9389, 50, cap_buf, 7, 40_000, 10**8]:
+        plan(n)
         rt.poison_shadows()
         graph.replay()
         torch.cuda.synchronize()
-        used = min(max(n, stale_n), cap_buf)
-        read = indices[: min(n, cap_buf)].long()
+        used = min(n, cap_buf)
+        read = indices[:used].long()
         assert torch.equal(bits(out[read]), bits(full[read])), "replay with n=%d" % n
-        check_rows(out, kv, indices[:min(n, cap_buf)], allowed_units=indices[:used])
+        check_rows(out, kv, indices[:used], allowed_units=indices[:used])
 
 
 # --------------------------------------------------------------------------- real FlashInfer (opt-in)
@@ -276,7 +289,8 @@ def test_real_flashinfer_wrapper_matches_full_cast(rt, monkeypatch, kv_mode):
         return w
 
     w = planned(lambda w: rt.plan_kv_dtype(w, BF16, BF16, FP8, False))
-    k = rt.kv_for_kernel(kv, w, BF16, kv_indptr=kv_indptr)
+    rt.plan_rows(w, kv_indptr)  # what the rewritten plan call does
+    k = rt.kv_for_kernel(kv, w, BF16)
     o = w.run(q[..., :512], q[..., 512:], k[:, :, :512], k[:, :, 512:], **rt.run_kwargs(w))
     full = kv.to(BF16)
     ref_w = planned(lambda w: BF16)
