@@ -302,3 +302,84 @@ def test_real_flashinfer_wrapper_matches_full_cast(rt, monkeypatch, kv_mode):
         assert torch.equal(o, ref)  # same kernel, same bf16 values on every row it reads
     else:
         assert k is kv and rel < 0.05  # native FP8: no cast, close to the bf16 result
+
+
+def _host_plan(w, qo_cpu, kv_indptr_cpu, kv_len_cpu, heads, causal):
+    """A sync-free replay plan of the kind SGLang's fast_mla_decode_plan does: host
+    arrays straight to the JIT module's plan, the wrapper's device indptr buffer
+    left as the capture left it (FlashInfer's run() reads only the plan info and
+    _kv_indices_buf)."""
+    w._cached_module.plan(w._float_workspace_buffer, w._int_workspace_buffer,
+                          w._pin_memory_int_workspace_buffer, qo_cpu, kv_indptr_cpu, kv_len_cpu,
+                          heads, 512, causal)
+
+
+@pytest.mark.skipif(os.environ.get("KVPATCH_TEST_FLASHINFER") != "1",
+                    reason="set KVPATCH_TEST_FLASHINFER=1 to run against a real FlashInfer "
+                           "(its JIT build can take minutes)")
+@pytest.mark.parametrize("sabotage", [False, True], ids=["routed", "sabotaged"])
+def test_real_flashinfer_graph_replay_after_a_host_array_plan(rt, monkeypatch, sabotage):
+    """SGLang 0.5.23's DFLASH target-verify replay, on the real kernel: a graph
+    captured after a small plan, replayed after a host-array plan of many more rows.
+    Routed (plan_rows sees the replay plan's kv_indptr): equal to the full-cast
+    reference. Sabotaged (plan_rows does not update): the check must fail."""
+    flashinfer = pytest.importorskip("flashinfer")
+    bs, heads, slots, cap = 4, 16, 60_000, 40_000
+    ndt = 4  # draft tokens per request: a causal verify window
+    g = torch.Generator(device=DEV).manual_seed(21)
+    kv = (torch.randn(slots, 1, 576, device=DEV, generator=g) * 0.5).to(FP8)
+    workspace = torch.empty(128 << 20, dtype=torch.int8, device=DEV)
+    qo_buf = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
+    kvp_buf = torch.zeros(bs + 1, dtype=torch.int32, device=DEV)
+    idx_buf = torch.zeros(cap, dtype=torch.int32, device=DEV)
+    len_buf = torch.zeros(bs, dtype=torch.int32, device=DEV)
+    w = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        workspace, use_cuda_graph=True, qo_indptr=qo_buf, kv_indptr=kvp_buf, kv_indices=idx_buf,
+        kv_len_arr=len_buf)
+    q = torch.randn(bs * ndt, heads, 576, dtype=BF16, device=DEV, generator=g)
+    qo_cpu = torch.arange(0, (bs + 1) * ndt, ndt, dtype=torch.int32)
+
+    def arrays(lens):
+        lens_cpu = torch.tensor(lens, dtype=torch.int32)
+        kvp_cpu = torch.zeros(bs + 1, dtype=torch.int32)
+        kvp_cpu[1:] = torch.cumsum(lens_cpu, 0)
+        n = int(kvp_cpu[-1])
+        idx = torch.randperm(slots, generator=g, device=DEV)[:n].to(torch.int32)
+        return lens_cpu, kvp_cpu, idx
+
+    # Capture: the stock plan (device arrays, routed), then the graph.
+    lens0, kvp0, idx0 = arrays([ndt + 1] * bs)  # 20 rows
+    w.plan(qo_cpu.to(DEV), rt.plan_rows(w, kvp0.to(DEV)), idx0, lens0.to(DEV), heads, 512, 64, 1,
+           True, 0.1, BF16, BF16)
+    out = torch.empty(bs * ndt, heads, 512, dtype=BF16, device=DEV)
+
+    def step():
+        k = rt.kv_for_kernel(kv, w, BF16)
+        w.run(q[..., :512], q[..., 512:], k[:, :, :512], k[:, :, 512:], out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(), step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    if sabotage:
+        monkeypatch.setattr(rt, "plan_rows", lambda wrapper, kv_indptr: kv_indptr)
+    lens, kvp_cpu, idx = arrays([2000, 3000, 1389, 3000])  # 9,389 rows
+    idx_buf[: idx.numel()].copy_(idx)  # written in place, as SGLang's verify does
+    _host_plan(w, qo_cpu, rt.plan_rows(w, kvp_cpu), lens, heads, True)
+    rt.poison_shadows()
+    graph.replay()
+    torch.cuda.synchronize()
+
+    ref_w = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace.new_empty(128 << 20))
+    ref_w.plan(qo_cpu.to(DEV), kvp_cpu.to(DEV), idx, lens.to(DEV), heads, 512, 64, 1, True, 0.1, BF16, BF16)
+    full = kv.to(BF16)
+    ref = ref_w.run(q[..., :512], q[..., 512:], full[:, :, :512], full[:, :, 512:])
+    bad = bool(torch.isnan(out).any()) or not torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    print("sabotage", sabotage, "nan", bool(torch.isnan(out).any()), "rel err", rel)
+    assert bad == sabotage
