@@ -306,22 +306,49 @@ def revert(out: Out, path, force, no_commit, allow_dirty):
 
 @main.command(context_settings=CONTEXT)
 @click.argument("path", type=click.Path())
+@click.option("--dry-run", is_flag=True, help="Show what recovering would do; change nothing.")
 @click.pass_obj
-def recover(out: Out, path):
+def recover(out: Out, path, dry_run):
     """Roll back an apply or revert that was killed half-way.
 
+    It first lists what it will do, and refuses a journal that names a path
+    outside PATH or through a symbolic link (a cloned fork may ship one).
+
     \b
-    Example:  kvpatch recover ~/sglang
-    Exit: 0 rolled back or nothing to do.
+    Example:  kvpatch recover --dry-run ~/sglang
+    Exit: 0 rolled back or nothing to do, 2 refused (unsafe journal).
     """
-    from kvpatch import write
+    from kvpatch import lock, write
+    from kvpatch.safepath import UnsafePath
 
     root = _root(path, out).resolve()
-    if write.pending(root) is None:
+    try:
+        with lock.exclusive(root):
+            _recover(out, root, dry_run, write, UnsafePath)
+    except lock.Busy as exc:
+        out.error(str(exc))
+        sys.exit(EXIT_ERROR)
+
+
+def _recover(out: Out, root: Path, dry_run: bool, write, UnsafePath) -> None:
+    j = write.pending(root)
+    if j is None:
         out.echo("nothing to recover")
+        out.info("kvpatch recover: nothing to do")
         sys.exit(EXIT_OK)
-    restored = write.rollback(root)
+    try:
+        steps = write.plan_rollback(root, j)
+        for s in steps:
+            out.echo(("would " if dry_run else "") + s)
+        if dry_run:
+            out.info(f"kvpatch recover --dry-run: {len(steps)} step(s); nothing changed")
+            sys.exit(EXIT_OK)
+        restored = write.rollback(root)
+    except (UnsafePath, OSError) as exc:
+        out.error(f"refusing to recover, nothing was touched: {exc}")
+        sys.exit(EXIT_ERROR)
     out.echo(f"rolled back {len(restored)} file(s): " + ", ".join(restored))
+    out.info(f"kvpatch recover: rolled back the interrupted `kvpatch {j.get('op', '?')}`")
     sys.exit(EXIT_OK)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 from kvpatch.locate import MLA_PLAN_FUNCTIONS
+from kvpatch.safepath import UnsafePath, is_link, read_regular
 
 # A KV-buffer read, or a site kvpatch already rewrote (plain substrings: `bytes in`
 # is ~5x faster than a regex alternation) ...
@@ -40,7 +41,6 @@ class SourceFile:
     rel: str
     path: Path
     data: bytes
-    is_symlink: bool = False
 
 
 @dataclass
@@ -81,13 +81,18 @@ def read_candidate(root: Path, path: Path):
     """Return a SourceFile if the file could hold a site, None if it cannot,
     or a ReadError if it cannot be read."""
     rel = rel_path(root, path)
+    if is_link(path):
+        # Never read through a link: it can lead out of the checkout (or to /dev/zero).
+        return ReadError(rel, "is a symbolic link: skipped (kvpatch does not read or write through links)")
     try:
-        data = path.read_bytes()
+        data = read_regular(path)  # a FIFO or device named *.py is refused, never opened blocking
+    except UnsafePath:
+        return ReadError(rel, "not a regular file: skipped")
     except OSError as exc:
         return ReadError(rel, f"cannot read: {exc.strerror or exc}")
     if not is_candidate(data):
         return None
-    return SourceFile(rel, path, data, path.is_symlink())
+    return SourceFile(rel, path, data)
 
 
 def looks_like_sglang(root: Path) -> Optional[str]:

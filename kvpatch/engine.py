@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import io
 import os
+import signal
+import sys
 import time
 import tokenize
 from concurrent.futures import ProcessPoolExecutor
@@ -400,6 +402,20 @@ def _scan_chunk(args) -> Tuple[int, List[FileRecords], List[FileError]]:
     return len(paths), out, errs
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: on Linux the kernel kills a worker when its parent
+    dies (kill -9 included), so no scan outlives the command."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:  # no libc by that name (musl): workers then end with the pool
+        pass
+
+
 def scan_tree(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
               progress: Optional[Callable[[int, int], None]] = None) -> ScanResult:
     t0 = time.perf_counter()
@@ -417,7 +433,7 @@ def scan_tree(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional
         results = map(_scan_chunk, [(root, c, select) for c in chunks])
         executor = None
     else:
-        executor = ProcessPoolExecutor(max_workers=jobs)
+        executor = ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent)
         results = executor.map(_scan_chunk, [(root, c, select) for c in chunks])
     try:
         for n, recs, errs in results:

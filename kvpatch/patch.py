@@ -9,18 +9,20 @@ originals byte for byte; `status` compares the checkout with its record.
 from __future__ import annotations
 
 import datetime as _dt
+from contextlib import contextmanager
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, write
+from kvpatch import RULESET_VERSION, __version__, checkout, lock, write
 from kvpatch.engine import ScanResult, analyze_source, scan_tree
 from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version
 from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError
-from kvpatch.state import (ORIGINALS, STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord,
+from kvpatch.safepath import is_link, read_regular
+from kvpatch.state import (JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord,
                            State, load, sha256)
 
 
@@ -104,15 +106,16 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
     rules = load_rules(select)
     scan = scan_tree(root, select, jobs, progress)
     patch = Patch(scan.root, scan)
+    # A *.py link was not read (it may lead out of the checkout): apply refuses it.
+    links = [e for e in scan.errors if is_link(scan.root / e.file)]
+    scan.errors = [e for e in scan.errors if e not in links]
+    patch.refused.extend(links)
     runtime_text = runtime_source().encode("utf-8")
     runtime_dirs: Dict[str, None] = {}
     for f in scan.files:
         if not f.fixable:
             continue
         path = scan.root / f.rel
-        if path.is_symlink():
-            patch.refused.append(FileError(f.rel, "is a symbolic link: not rewritten (patch the link's target)"))
-            continue
         try:
             fa = analyze_source(f.rel, path.read_bytes(), rules)
             rw = plan_rewrite(fa, rules)
@@ -134,7 +137,7 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
     for d in runtime_dirs:
         rel = RUNTIME_FILENAME if d in ("", ".") else f"{d}/{RUNTIME_FILENAME}"
         p = scan.root / rel
-        old = p.read_bytes() if p.exists() else None
+        old = read_regular(p) if p.exists() or is_link(p) else None
         if old != runtime_text:
             patch.runtimes.append(RuntimeWrite(rel, runtime_text, old))
     return patch
@@ -186,12 +189,17 @@ def commit_message(patch: Patch) -> str:
     return "\n".join(lines) + "\n"
 
 
-def apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=None, progress=None,
-          patch: Optional[Patch] = None) -> ApplyResult:
+def apply(root: Path, **kw) -> ApplyResult:
+    """Rewrite every fixable site (all files or none), holding the checkout's write lock."""
     root = root.resolve()
-    recovered = write.rollback(root) if write.pending(root) else []
-    if recovered:
-        patch = None  # built from the half-written files: build it again from the restored ones
+    with _locked(root):
+        return _apply(root, **kw)
+
+
+def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=None, progress=None,
+           patch: Optional[Patch] = None) -> ApplyResult:
+    _refuse_pending(root)
+    old_state = load(root)  # a crafted state is refused here, before anything is touched
     info = checkout.git_info(root)
     if info is not None and not allow_dirty:
         dirty = [p for p in checkout.dirty_paths(info, root) if not p.startswith(STATE_DIR)]
@@ -200,9 +208,7 @@ def apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=N
                              f"{'...' if len(dirty) > 3 else ''}): commit or stash them, or pass --allow-dirty")
     patch = patch or build(root, select, jobs, progress)
     if patch.empty:
-        return ApplyResult(patch, [], None, None, info is not None,
-                           "nothing to do" + (f" (rolled back an interrupted write: {', '.join(recovered)})"
-                                              if recovered else ""))
+        return ApplyResult(patch, [], None, None, info is not None, "nothing to do")
     if info is not None and allow_dirty and not no_commit:
         touched = {info.rel_to_repo(root, r.rel) for r in patch.rewrites}
         both = sorted(touched & set(checkout.dirty_paths(info, root)))
@@ -210,7 +216,6 @@ def apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=N
             raise PatchError(f"{both[0]} has uncommitted changes that the kvpatch commit would include: "
                              f"commit them first, or pass --no-commit")
 
-    old_state = load(root)
     writes, state = _apply_writes(root, patch, info, old_state)
     branch = commit_sha = None
     notice = ""
@@ -245,7 +250,7 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
     for rw in patch.rewrites:
         copy = f"{STATE_DIR}/{ORIGINALS}/{rw.rel}"
         rec_prior = prior.get(rw.rel)
-        original = (root / rec_prior.original_copy).read_bytes() if rec_prior else (root / rw.rel).read_bytes()
+        original = read_regular(root / (rec_prior.original_copy if rec_prior else rw.rel))
         if rec_prior is None:
             writes.append(write.FileWrite(copy, original))
         files[rw.rel] = FileRecord(rw.rel, sha256(original), sha256(rw.new_bytes), copy,
@@ -287,12 +292,15 @@ class RevertResult:
     notice: str = ""
 
 
-def revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> RevertResult:
+def revert(root: Path, **kw) -> RevertResult:
+    """Restore every original byte, holding the checkout's write lock."""
     root = root.resolve()
-    if write.pending(root):
-        restored = write.rollback(root)
-        return RevertResult(restored, [], None, checkout.git_info(root) is not None,
-                            "rolled back an interrupted kvpatch write")
+    with _locked(root):
+        return _revert(root, **kw)
+
+
+def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> RevertResult:
+    _refuse_pending(root)
     st = load(root)
     if st is None:
         raise PatchError(f"{root} has no {STATE_DIR}/{STATE_FILE}: it was not patched by kvpatch apply "
@@ -308,8 +316,8 @@ def revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> Re
     restored, removed = [], []
     for f in st.files:
         p = root / f.path
-        cur = p.read_bytes() if p.exists() else None
-        orig = (root / f.original_copy).read_bytes()
+        cur = read_regular(p) if p.exists() else None
+        orig = read_regular(root / f.original_copy)
         if sha256(orig) != f.original_sha256:
             raise PatchError(f"{f.original_copy}: the recorded original was modified; refusing to restore it")
         if cur is not None and sha256(cur) not in (f.patched_sha256, f.original_sha256) and not force:
@@ -329,7 +337,7 @@ def revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> Re
                 writes.append(write.FileWrite(r.path, None))
                 removed.append(r.path)
         elif r.original_copy:
-            writes.append(write.FileWrite(r.path, (root / r.original_copy).read_bytes()))
+            writes.append(write.FileWrite(r.path, read_regular(root / r.original_copy)))
             writes.append(write.FileWrite(r.original_copy, None))
             restored.append(r.path)
     writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", None))
@@ -353,6 +361,24 @@ def revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> Re
     write.apply_writes(root, writes, "revert", before_finish=finish)
     _prune_empty(root / STATE_DIR)
     return RevertResult(restored, removed, commit_sha, info is not None, notice)
+
+
+@contextmanager
+def _locked(root: Path):
+    try:
+        with lock.exclusive(root):
+            yield
+    except lock.Busy as exc:
+        raise PatchError(str(exc)) from None
+
+
+def _refuse_pending(root: Path) -> None:
+    """A journal is never rolled back on the side: it may not be this machine's
+    (a cloned fork can ship one), so `kvpatch recover` shows it and asks nothing else."""
+    j = write.pending(root)
+    if j is not None:
+        raise PatchError(f"an interrupted `kvpatch {j.get('op', '?')}` left {STATE_DIR}/{JOURNAL_FILE}: "
+                         f"run `kvpatch recover --dry-run` to see what undoing it does, then `kvpatch recover`")
 
 
 def _prune_empty(d: Path) -> None:

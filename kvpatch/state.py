@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from kvpatch.safepath import UnsafePath, inside, is_link, read_regular, under, write_replace
 
 STATE_DIR = ".kvpatch"
 STATE_FILE = "state.json"
@@ -84,24 +85,38 @@ def state_dir(root: Path) -> Path:
 
 
 def load(root: Path) -> Optional[State]:
-    p = state_dir(root) / STATE_FILE
+    """The recorded state, or None. A state that names a path outside the checkout,
+    through a link, or a link where the state lives, is refused (ValueError, one
+    line) before anything reads or writes what it names: a cloned fork may ship one."""
+    d = state_dir(root)
+    p = d / STATE_FILE
+    if is_link(d) or is_link(p):
+        raise UnsafePath(f"{p}: {STATE_DIR} or its state file is a symbolic link; refusing to use it")
     if not p.exists():
         return None
     try:
-        return State.from_dict(json.loads(p.read_text(encoding="utf-8")))
-    except (ValueError, KeyError, TypeError) as exc:
+        st = State.from_dict(json.loads(read_regular(p).decode("utf-8")))
+        validate(root, st)
+        return st
+    except UnsafePath as exc:
+        raise UnsafePath(f"{p}: unsafe kvpatch state, nothing was touched ({exc})") from exc
+    except (ValueError, KeyError, TypeError, OSError) as exc:
         raise ValueError(f"{p}: unreadable kvpatch state ({exc})") from exc
 
 
-def original_bytes(root: Path, rec: FileRecord) -> bytes:
-    return (root / rec.original_copy).read_bytes()
+def validate(root: Path, st: State) -> None:
+    """Every path the state names: a checkout file outside .kvpatch/, or a copy under
+    .kvpatch/originals/, reached through no symbolic link."""
+    originals = f"{STATE_DIR}/{ORIGINALS}"
+    for what, rel, copy in ([("patched file", f.path, f.original_copy) for f in st.files]
+                            + [("runtime file", r.path, r.original_copy) for r in st.runtime_files]):
+        inside(root, rel, what)
+        if rel == STATE_DIR or rel.startswith(STATE_DIR + "/"):
+            raise UnsafePath(f"{what}: {rel!r} is inside {STATE_DIR}/")
+        if copy is not None or what == "patched file":
+            inside(root, under(copy, originals, f"original copy of {rel}"), f"original copy of {rel}")
 
 
 def write_json_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_replace(path, text.encode("utf-8"))

@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kvpatch import write
+from kvpatch import lock, write
 from kvpatch.engine import scan_tree
 from kvpatch.report import EXIT_ACTION, EXIT_DRIFT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from kvpatch.runtime import runtime_version
 from kvpatch.sites import NEEDS_ACTION, PLAN_REWRITE
+from kvpatch.safepath import is_link, read_regular
 from kvpatch.state import load, sha256
 
 NOT_PATCHED = "not patched"
@@ -20,6 +21,7 @@ PATCHED = "patched"
 PARTLY = "partly patched"
 DRIFTED = "drifted"
 INTERRUPTED = "interrupted"
+IN_PROGRESS = "in progress"  # a journal, and its writer still holds the lock
 NOTHING = "nothing to patch"
 
 
@@ -41,10 +43,10 @@ class Status:
 
     @property
     def exit_code(self) -> int:
-        if self.errors and self.state not in (DRIFTED, INTERRUPTED):
+        if self.errors and self.state not in (DRIFTED, INTERRUPTED, IN_PROGRESS):
             return EXIT_ERROR
         return {PATCHED: EXIT_OK, NOTHING: EXIT_OK, NOT_PATCHED: EXIT_ACTION, PARTLY: EXIT_ACTION,
-                DRIFTED: EXIT_DRIFT, INTERRUPTED: EXIT_INTERRUPTED}[self.state]
+                DRIFTED: EXIT_DRIFT, INTERRUPTED: EXIT_INTERRUPTED, IN_PROGRESS: EXIT_INTERRUPTED}[self.state]
 
     def to_dict(self):
         return {"schema": "kvpatch.status/1", "state": self.state, "detail": self.detail,
@@ -58,11 +60,14 @@ def status(root: Path, select=None) -> Status:
 
 def _status(root: Path, select=None) -> Status:
     j = write.pending(root)
+    if j is not None and lock.held(root):
+        return Status(IN_PROGRESS, [], f"a `kvpatch {j.get('op', '?')}` is writing to this checkout now; "
+                                       f"ask again when it is done")
     if j is not None:
-        files = [f["rel"] for f in j.get("files", [])]
+        files = [f.get("rel", "?") if isinstance(f, dict) else "?" for f in j.get("files", [])]
         return Status(INTERRUPTED, [Place(f, "listed in the interrupted write's journal") for f in files],
                       f"an interrupted `kvpatch {j.get('op', '?')}` left {len(files)} file(s) in an unknown state; "
-                      f"`kvpatch recover` (or the next apply/revert) rolls them back")
+                      f"`kvpatch recover` rolls them back (`--dry-run` shows how)")
     st = load(root)
     scan = scan_tree(root, select)
     errors = [Place(e.file, e.message, e.line) for e in scan.all_errors]
@@ -90,7 +95,11 @@ def _verdict(root: Path, st, scan) -> Status:
         if not p.exists():
             missing.append(Place(f.path, "patched file is gone"))
             continue
-        cur = p.read_bytes()
+        try:
+            cur = read_regular(p)
+        except OSError as exc:  # UnsafePath too: a FIFO or link where the file was
+            drift.append(Place(f.path, f"cannot read the patched file: {exc}"))
+            continue
         h = sha256(cur)
         if h == f.patched_sha256:
             continue
@@ -106,7 +115,7 @@ def _verdict(root: Path, st, scan) -> Status:
         p = root / r.path
         if not p.exists():
             missing.append(Place(r.path, "runtime module is missing"))
-        elif sha256(p.read_bytes()) != r.sha256:
+        elif is_link(p) or not p.is_file() or sha256(read_regular(p)) != r.sha256:
             drift.append(Place(r.path, "runtime module was edited or replaced"))
     if drift:
         return Status(DRIFTED, drift + missing, "patched regions were edited since apply")

@@ -19,9 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from kvpatch.safepath import (UnsafePath, create_new, inside, is_link, read_regular, remove_stale,
+                              tmp_path, under, write_replace)
 from kvpatch.state import JOURNAL_FILE, STATE_DIR, sha256, write_json_atomic
 
 TXN_DIR = "txn"
+# Journal phases: while staging, no target has been touched yet.
+PHASE_STAGING = "staging"
+PHASE_REPLACING = "replacing"
 # Test hook: exit hard after this many replacements (simulates kill -9).
 CRASH_ENV = "KVPATCH_TEST_CRASH_AFTER"
 # Test hook: after this many replacements, say so on stderr and sleep (a test
@@ -39,21 +44,19 @@ class FileWrite:
     data: Optional[bytes]  # None: delete the file
 
 
-def _fsync_write(path: Path, data: bytes, mode: Optional[int] = None) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    if mode is not None:
-        os.chmod(path, mode)
-
-
 def preflight(root: Path, writes: List[FileWrite]) -> List[str]:
     """Reasons the writes cannot all be done; empty when they can."""
     problems = []
+    for d in (STATE_DIR, f"{STATE_DIR}/{TXN_DIR}"):
+        if is_link(root / d):
+            problems.append(f"{d}: is a symbolic link; kvpatch does not write through links")
     for w in writes:
-        p = root / w.rel
-        if p.is_symlink():
+        try:
+            p = inside(root, w.rel, "write")
+        except UnsafePath as exc:
+            problems.append(str(exc))
+            continue
+        if is_link(p):
             problems.append(f"{w.rel}: is a symbolic link; kvpatch does not write through links")
             continue
         if p.exists():
@@ -71,38 +74,88 @@ def journal_path(root: Path) -> Path:
 
 
 def pending(root: Path) -> Optional[dict]:
-    """The journal of an interrupted write, if any."""
+    """The journal of an interrupted write, if any (a link or a FIFO in its place,
+    or a journal that does not parse, is reported as corrupt, never followed)."""
     jp = journal_path(root)
-    if not jp.exists():
+    if not jp.exists() and not is_link(jp):
         return None
     try:
-        return json.loads(jp.read_text(encoding="utf-8"))
-    except ValueError:
-        return {"op": "unknown", "files": [], "corrupt": True}
+        return json.loads(read_regular(jp).decode("utf-8"))
+    except (ValueError, OSError) as exc:
+        return {"op": "unknown", "files": [], "corrupt": f"{exc}"}
+
+
+def check_journal(root: Path, j: dict) -> None:
+    """Every path of a journal: inside the root, through no link, each of the
+    shape kvpatch writes (backups under .kvpatch/txn/, the temp file next to its
+    target). A journal that fails is refused whole: a cloned fork may ship one."""
+    if j.get("corrupt"):
+        raise UnsafePath(f"{journal_path(root)} is unreadable ({j['corrupt']})")
+    if is_link(root / STATE_DIR) or is_link(root / STATE_DIR / TXN_DIR):
+        raise UnsafePath(f"{STATE_DIR} or {STATE_DIR}/{TXN_DIR} is a symbolic link")
+    files, dirs = j.get("files"), j.get("created_dirs", [])
+    if not isinstance(files, list) or not isinstance(dirs, list):
+        raise UnsafePath("the journal's files or created_dirs is not a list")
+    for f in files:
+        if not isinstance(f, dict):
+            raise UnsafePath("a journal entry is not an object")
+        rel = f.get("rel")
+        inside(root, rel, "journal file")
+        if f.get("backup") is not None:
+            inside(root, under(f["backup"], f"{STATE_DIR}/{TXN_DIR}", "journal backup"), "journal backup")
+        if f.get("tmp") is not None:
+            want = tmp_path(Path(rel)).as_posix()
+            if f["tmp"] != want:
+                raise UnsafePath(f"journal temp file {f['tmp']!r} is not {want!r}")
+            inside(root, f["tmp"], "journal temp file")
+        if f.get("mode") is not None and (not isinstance(f["mode"], int) or not 0 <= f["mode"] <= 0o7777):
+            raise UnsafePath(f"journal mode {f['mode']!r} of {rel!r} is not a permission mode")
+    for d in dirs:
+        inside(root, d, "journal directory")
+
+
+def plan_rollback(root: Path, j: dict) -> List[str]:
+    """What rolling `j` back will do, one line each (`kvpatch recover` shows it first)."""
+    check_journal(root, j)
+    lines = []
+    staging = j.get("phase") == PHASE_STAGING
+    for f in j.get("files", []):
+        target = root / f["rel"]
+        if staging:
+            pass
+        elif f.get("backup") and (root / f["backup"]).exists():
+            lines.append(f"restore {f['rel']} from {f['backup']}")
+        elif f.get("created") and (target.exists() or is_link(target)):
+            lines.append(f"remove {f['rel']} (created by the interrupted write)")
+        if f.get("tmp") and ((root / f["tmp"]).exists() or is_link(root / f["tmp"])):
+            lines.append(f"remove {f['tmp']}")
+    return lines
 
 
 def rollback(root: Path) -> List[str]:
-    """Undo an interrupted write from its journal; returns the files restored."""
+    """Undo an interrupted write from its journal; returns the files restored.
+    Raises UnsafePath, touching nothing, on a journal that fails check_journal."""
     j = pending(root)
     if j is None:
         return []
+    check_journal(root, j)
     restored = []
+    staging = j.get("phase") == PHASE_STAGING  # no target touched yet
     for f in j.get("files", []):
         target = root / f["rel"]
         tmp = root / f["tmp"] if f.get("tmp") else None
-        if f.get("backup"):
+        if staging:
+            pass
+        elif f.get("backup"):
             backup = root / f["backup"]
             if backup.exists():
-                mode = f.get("mode")
-                shutil.copyfile(backup, target)
-                if mode is not None:
-                    os.chmod(target, mode)
+                write_replace(target, read_regular(backup), f.get("mode"))
                 restored.append(f["rel"])
-        elif f.get("created") and target.exists():
+        elif f.get("created") and (target.exists() or is_link(target)):
             target.unlink()
             restored.append(f["rel"])
-        if tmp is not None and tmp.exists():
-            tmp.unlink()
+        if tmp is not None:
+            remove_stale(tmp)
     _remove_dirs(root, j.get("created_dirs", []))
     _cleanup(root)
     return restored
@@ -119,12 +172,13 @@ def _remove_dirs(root: Path, dirs: List[str]) -> None:
 
 def _cleanup(root: Path) -> None:
     txn = root / STATE_DIR / TXN_DIR
-    if txn.exists():
+    if is_link(txn):
+        txn.unlink()  # the link only: never what it points to
+    elif txn.exists():
         shutil.rmtree(txn, ignore_errors=True)
     jp = journal_path(root)
-    for j in (jp, jp.with_name(jp.name + ".tmp")):  # .tmp: a journal write cut short
-        if j.exists():
-            j.unlink()
+    for j in (jp, tmp_path(jp)):  # the temp file: a journal write cut short
+        remove_stale(j)
     sd = root / STATE_DIR
     if sd.exists() and not any(sd.iterdir()):
         sd.rmdir()
@@ -173,45 +227,61 @@ def apply_writes(root: Path, writes: List[FileWrite], op: str,
             signal.signal(signal.SIGINT, old_int)
 
 
+def _plan_entries(root: Path, writes: List[FileWrite]):
+    """The journal entries and the directories to make, decided before any IO."""
+    txn_rel = f"{STATE_DIR}/{TXN_DIR}"
+    entries, created_dirs = [], []
+    if not (root / STATE_DIR).exists():
+        created_dirs.append(STATE_DIR)
+    for i, w in enumerate(writes):
+        target = inside(root, w.rel, "write")
+        exists = target.exists()
+        entry = {"rel": w.rel, "backup": f"{txn_rel}/{i}.orig" if exists else None, "tmp": None,
+                 "created": not exists, "mode": stat.S_IMODE(target.stat().st_mode) if exists else None}
+        if w.data is not None:
+            d = target.parent
+            while not d.exists() and d != root:  # every directory made, not just the deepest
+                rel = d.relative_to(root).as_posix()
+                if rel not in created_dirs:
+                    created_dirs.append(rel)
+                d = d.parent
+            entry["tmp"] = tmp_path(target).relative_to(root).as_posix()
+            entry["new_sha256"] = sha256(w.data)
+        entries.append(entry)
+    return entries, created_dirs
+
+
+def _journal(root: Path, op: str, phase: str, entries, created_dirs) -> None:
+    write_json_atomic(journal_path(root), json.dumps(
+        {"op": op, "phase": phase, "files": entries, "created_dirs": created_dirs}, indent=2))
+
+
 def _stage_and_replace(root: Path, writes: List[FileWrite], op: str,
                        before_finish: Optional[Callable[[], None]]) -> None:
+    # The journal exists before the first byte is staged (phase "staging": a kill
+    # then leaves targets untouched, and recover only removes the scratch files),
+    # and is rewritten as "replacing" once every backup and temp file is complete.
+    entries, created_dirs = _plan_entries(root, writes)
     txn = root / STATE_DIR / TXN_DIR
-    entries = []
-    created_dirs = []
     try:
-        if not (root / STATE_DIR).exists():
-            created_dirs.append(STATE_DIR)
-        txn.mkdir(parents=True, exist_ok=True)
-        for i, w in enumerate(writes):
+        (root / STATE_DIR).mkdir(exist_ok=True)
+        if txn.exists():  # a stale one (its journal is gone): nothing in it is needed
+            shutil.rmtree(txn)
+        _journal(root, op, PHASE_STAGING, entries, created_dirs)
+        txn.mkdir()
+        for w, e in zip(writes, entries):
             target = root / w.rel
-            entry = {"rel": w.rel, "backup": None, "tmp": None, "created": not target.exists(), "mode": None}
-            if target.exists():
-                mode = stat.S_IMODE(target.stat().st_mode)
-                backup = txn / f"{i}.orig"
-                shutil.copyfile(target, backup)
-                entry["backup"] = backup.relative_to(root).as_posix()
-                entry["mode"] = mode
+            if e["backup"]:
+                create_new(root / e["backup"], read_regular(target))
             if w.data is not None:
-                parent = target.parent
-                if not parent.exists():
-                    d = parent
-                    while not d.exists():  # every directory made, not just the deepest
-                        created_dirs.append(d.relative_to(root).as_posix())
-                        d = d.parent
-                    parent.mkdir(parents=True)
-                tmp = target.with_name(f".{target.name}.kvpatch-tmp")
-                entry["tmp"] = tmp.relative_to(root).as_posix()
-                entries.append(entry)  # before the write: a half-written tmp is removed too
-                _fsync_write(tmp, w.data, entry["mode"])
-                entry["new_sha256"] = sha256(w.data)
-            else:
-                entries.append(entry)
-        write_json_atomic(journal_path(root), json.dumps(
-            {"op": op, "files": entries, "created_dirs": created_dirs}, indent=2))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                remove_stale(root / e["tmp"])  # a planted link is removed, never written through
+                create_new(root / e["tmp"], w.data, e["mode"])
+        _journal(root, op, PHASE_REPLACING, entries, created_dirs)
     except BaseException:
         for e in entries:
-            if e.get("tmp") and (root / e["tmp"]).exists():
-                (root / e["tmp"]).unlink()
+            if e.get("tmp"):
+                remove_stale(root / e["tmp"])
         _cleanup(root)
         _remove_dirs(root, created_dirs)
         raise

@@ -7,6 +7,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+from kvpatch.safepath import UnsafePath, check_rel, create_new, inside
 from kvpatch.upgrade.model import UpgradeError
 
 # -- materializing a git ref -------------------------------------------------------------
@@ -82,6 +83,16 @@ def _blobs(top: Path, shas: List[str]) -> List[bytes]:
     return out
 
 
+def _safe(name: str) -> bool:
+    """A crafted tree can hold `..` or absolute entries: such a file is never
+    written (audit writes nothing outside its temp dir), only left out."""
+    try:
+        check_rel(name, "tree entry")
+        return True
+    except UnsafePath:
+        return False
+
+
 def materialize(top: Path, prefix: str, commit: str, dest: Path) -> Tuple[Path, RefTree]:
     """Write the files under prefix at commit that the audit reads into dest.
     Returns the old root and the commit's full list of .py files."""
@@ -98,7 +109,7 @@ def materialize(top: Path, prefix: str, commit: str, dest: Path) -> Tuple[Path, 
         name = path.decode("utf-8", "surrogateescape")
         # regular files only: links and submodules are never written (nor followed)
         if kind == b"blob" and mode in (b"100644", b"100755") and name.endswith(".py") \
-                and name.startswith(prefix):
+                and name.startswith(prefix) and _safe(name):
             blobs[name[len(prefix):]] = sha.decode()
     if not blobs:
         raise UpgradeError(f"{prefix or '.'}: no Python files there at {commit[:12]}")
@@ -118,9 +129,9 @@ def materialize(top: Path, prefix: str, commit: str, dest: Path) -> Tuple[Path, 
     old_root = dest / prefix if prefix else dest
     old_root.mkdir(parents=True, exist_ok=True)
     for rel, data in zip(wanted, _blobs(top, [blobs[r] for r in wanted])):
-        target = old_root / rel
+        target = inside(old_root, rel, "tree entry")
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        create_new(target, data)
     return old_root, RefTree(top, prefix, commit, blobs)
 
 
