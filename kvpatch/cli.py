@@ -9,6 +9,7 @@ GPU check not run (verify), 4 interrupted apply (status).
 from __future__ import annotations
 
 import os
+import traceback
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Optional
 import click
 
 from kvpatch import __version__
-from kvpatch.report import EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK
+from kvpatch.exitcodes import (EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK, EXIT_PARTIAL,
+                               EXIT_USER_INTERRUPT, WHAT)
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -101,7 +103,38 @@ def _check_rules(rules, out: Out):
         sys.exit(EXIT_ERROR)
 
 
-@click.group(context_settings=CONTEXT)
+class _Main(click.Group):
+    """The command group: an unexpected exception is a one-line error with exit 2
+    (CI must not read a crash as a finding, exit 1); -v shows the traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM raised as one by the writer
+            click.echo("Error: interrupted", err=True)
+            ctx.exit(EXIT_USER_INTERRUPT)
+        except Exception as exc:  # noqa: BLE001 - the one place a crash becomes an exit code
+            verbose = getattr(ctx.obj, "verbose", 0)
+            if verbose:
+                click.echo(traceback.format_exc(), err=True, nl=False)
+            where = f" in `kvpatch {ctx.invoked_subcommand}`" if ctx.invoked_subcommand else ""
+            click.echo(f"Error: kvpatch crashed{where}: {type(exc).__name__}: {exc}"
+                       + ("" if verbose else " (run with -v for the traceback)"), err=True)
+            ctx.exit(EXIT_ERROR)
+
+
+def _exit_help(cmd: click.Command) -> None:
+    """Append the command's exit codes, from exitcodes.WHAT, to its --help."""
+    codes = WHAT.get(cmd.name)
+    if codes:
+        # Indented like the docstrings, so click's dedent keeps both aligned.
+        lines = "\n".join(f"      {code:<3} {what}" for code, what in sorted(codes.items()))
+        cmd.help = (cmd.help or "").rstrip() + "\n\n    \b\n    Exit codes:\n" + lines
+
+
+@click.group(cls=_Main, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="kvpatch")
 @click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
               help="Colour output; auto colours only a terminal and honours NO_COLOR.")
@@ -147,7 +180,6 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 
     \b
     Example:  kvpatch audit ~/sglang --sarif -o kvpatch.sarif
-    Exit: 0 no unpatched hot site, 1 hot sites remain, 2 error.
     """
     if as_json and as_sarif:
         raise click.UsageError("--json and --sarif exclude each other")
@@ -200,7 +232,6 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
 
     \b
     Example:  kvpatch apply --dry-run ~/sglang | less -R
-    Exit: 0 applied or nothing to do, 2 error or refused.
     """
     from kvpatch import patch as P
     from kvpatch import report
@@ -240,7 +271,7 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
         sys.exit(EXIT_ERROR)
     except KeyboardInterrupt:
         out.error("interrupted: every file was rolled back")
-        sys.exit(130)
+        sys.exit(EXIT_USER_INTERRUPT)
     if res.notice:
         out.info(res.notice)
     if not res.written:
@@ -253,7 +284,9 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
         out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
     built.scan.seconds = time.perf_counter() - t0
     out.info(report.summary_line("apply", built.scan, f"; {len(res.written)} file(s) written"))
-    sys.exit(EXIT_ERROR if errors else EXIT_OK)
+    if errors:  # the safe files were written; the named ones were skipped
+        sys.exit(EXIT_PARTIAL if res.written else EXIT_ERROR)
+    sys.exit(EXIT_OK)
 
 
 def _apply_counts(out: Out, built, written: bool) -> None:
@@ -284,7 +317,6 @@ def revert(out: Out, path, force, no_commit, allow_dirty):
 
     \b
     Example:  kvpatch revert ~/sglang
-    Exit: 0 restored, 2 error (no record, drift without --force).
     """
     from kvpatch import patch as P
 
@@ -316,7 +348,6 @@ def recover(out: Out, path, dry_run):
 
     \b
     Example:  kvpatch recover --dry-run ~/sglang
-    Exit: 0 rolled back or nothing to do, 2 refused (unsafe journal).
     """
     from kvpatch import lock, write
     from kvpatch.safepath import UnsafePath
@@ -362,8 +393,6 @@ def status(out: Out, path, as_json):
 
     \b
     Example:  kvpatch status ~/sglang
-    Exit: 0 patched (or nothing to patch), 1 not/partly patched, 2 error,
-          3 drifted (a patched region was edited), 4 interrupted apply.
     """
     import json
 
@@ -439,8 +468,6 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
 
     \b
     Example:  kvpatch verify ~/sglang --mode gather
-    Exit: 0 pass, 1 mismatch, 2 error (e.g. nothing patched to verify),
-          3 no GPU (the CPU check passed; --cpu accepts that).
     """
     import json
 
@@ -480,3 +507,7 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+for _cmd in main.commands.values():
+    _exit_help(_cmd)

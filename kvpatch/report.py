@@ -11,12 +11,7 @@ from kvpatch import RULESET_VERSION, __version__
 from kvpatch.engine import ScanResult
 from kvpatch.sites import NEEDS_ACTION, SITE_STATUSES, Site
 
-EXIT_OK = 0
-EXIT_ACTION = 1  # audit: unpatched hot sites remain; status: not/partly patched
-EXIT_ERROR = 2
-EXIT_DRIFT = 3
-EXIT_INTERRUPTED = 4
-EXIT_NO_GPU = 3  # verify: the CPU check passed, the GPU one could not run
+from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 
 JSON_SCHEMA_ID = "kvpatch.audit/1"
 

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from kvpatch import lock, write
 from kvpatch.engine import scan_tree
-from kvpatch.report import EXIT_ACTION, EXIT_DRIFT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
+from kvpatch.exitcodes import EXIT_ACTION, EXIT_DRIFT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from kvpatch.runtime import runtime_version
 from kvpatch.sites import NEEDS_ACTION, PLAN_REWRITE
 from kvpatch.safepath import is_link, read_regular

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from conftest import FI_MLA, REPO, git, tree_hashes
@@ -140,6 +142,7 @@ def test_revert_without_record(example):
 def test_verify_command_on_an_applied_checkout(example):
     """`kvpatch verify` end to end through the CLI: apply, then verify (CPU reference
     path here), then a broken plan: verify must fail, naming the site."""
+    pytest.importorskip("torch", reason="verify needs torch (pip install kvpatch[test])")
     assert run("apply", example).exit_code == 0
     ok = run("verify", "--cpu", "--quick", "--mode", "gather", example)
     assert ok.exit_code == 0, ok.output
@@ -163,5 +166,6 @@ def test_verify_command_on_an_applied_checkout(example):
 
 
 def test_verify_without_a_patch(example):
+    pytest.importorskip("torch", reason="verify needs torch (pip install kvpatch[test])")
     r = run("verify", "--cpu", "--quick", example)
     assert r.exit_code == 2 and "no patched file found" in r.output

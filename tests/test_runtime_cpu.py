@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="the runtime tests need torch (pip install kvpatch[test])")
 
 from kvpatch.runtime import TEMPLATE, load_template
 

@@ -16,7 +16,7 @@ FIXED, REPLACED, UNMATCHED = "fixed-upstream", "replaced", "unmatched"
 SITE_CATEGORIES = (UNMATCHED, NEW, CHANGED, FIXED, REPLACED, REMOVED, MOVED, UNCHANGED)
 PLAN_CATEGORIES = (UNMATCHED, NEW, CHANGED, REPLACED, REMOVED, MOVED, UNCHANGED)
 
-EXIT_OK, EXIT_ACTION, EXIT_ERROR = 0, 1, 2
+from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK  # noqa: E402,F401 - re-exported
 
 # Site statuses, as in kvpatch.sites (imported lazily: the engine pulls libcst).
 _ACTION = ("hot", "unsupported")

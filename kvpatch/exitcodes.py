@@ -1,0 +1,52 @@
+"""exitcodes: every exit code kvpatch uses, each with one meaning per command.
+
+The README's exit-code table is checked against WHAT (tests/test_exitcodes.py).
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_ACTION = 1  # audit: hot sites remain; status: not/partly patched; upgrade: action needed; verify: a case failed
+EXIT_ERROR = 2  # an error or refusal, an unexpected crash included (one line; -v shows the traceback)
+EXIT_DRIFT = 3  # status: a patched region was edited by hand
+EXIT_NO_GPU = 3  # verify: the CPU check passed, the GPU one could not run
+EXIT_INTERRUPTED = 4  # status: an interrupted write is pending, or one is in progress
+EXIT_PARTIAL = 5  # apply: the files that are safe were written; the others (named) were skipped
+EXIT_USER_INTERRUPT = 130  # Ctrl-C or SIGTERM: everything was rolled back
+
+# command -> {code: meaning}: what each command's --help and the README say.
+WHAT = {
+    "audit": {EXIT_OK: "no unpatched hot site (upgrade audit: nothing needs action)",
+              EXIT_ACTION: "hot or unsupported sites remain (upgrade audit: action needed)",
+              EXIT_ERROR: "error: bad path, unreadable or unparseable file (named; the other files are still "
+                          "scanned)"},
+    "apply": {EXIT_OK: "applied, or nothing to do",
+              EXIT_ERROR: "error or refusal: nothing written",
+              EXIT_PARTIAL: "applied to the files that are safe; the unreadable, unparseable or refused ones "
+                            "(named) were skipped",
+              EXIT_USER_INTERRUPT: "interrupted: everything rolled back"},
+    "revert": {EXIT_OK: "restored", EXIT_ERROR: "error or refusal (no record, drift without --force): "
+                                                "nothing changed",
+               EXIT_USER_INTERRUPT: "interrupted: everything rolled back"},
+    "recover": {EXIT_OK: "rolled back, or nothing to do", EXIT_ERROR: "refused (an unsafe journal): nothing "
+                                                                      "touched",
+                EXIT_USER_INTERRUPT: "interrupted: run it again"},
+    "status": {EXIT_OK: "patched (or nothing to patch)", EXIT_ACTION: "not patched, or partly patched",
+               EXIT_ERROR: "error", EXIT_DRIFT: "drifted: a patched region was edited by hand",
+               EXIT_INTERRUPTED: "an interrupted write is pending (or one is in progress)"},
+    "verify": {EXIT_OK: "passed on the GPU (or `--cpu` passed)", EXIT_ACTION: "a case failed",
+               EXIT_ERROR: "error", EXIT_NO_GPU: "no GPU: only the CPU check ran"},
+    "rules": {EXIT_OK: "listed", EXIT_ERROR: "error"},
+}
+for _read_only in ("audit", "status", "verify", "rules"):
+    WHAT[_read_only][EXIT_USER_INTERRUPT] = "interrupted (nothing is written)"
+
+
+def markdown_table() -> str:
+    """The README's exit-code table: one row per code, one column per command."""
+    cmds = list(WHAT)
+    codes = sorted({c for m in WHAT.values() for c in m})
+    rows = ["| code | " + " | ".join(cmds) + " |", "|---|" + "---|" * len(cmds)]
+    for code in codes:
+        rows.append(f"| {code} | " + " | ".join(WHAT[c].get(code, "-") for c in cmds) + " |")
+    return "\n".join(rows) + "\n"
