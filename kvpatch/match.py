@@ -18,17 +18,13 @@ import libcst as cst
 
 from kvpatch.dataflow import Definition, FunctionFlow, analyze
 from kvpatch.locate import ClassFacts, ModuleFacts, Unit
+from kvpatch.tensorops import (GATHER_METHODS, TUPLE_VIEWS, VIEW_METHODS, device_like, gathers_rows,
+                               int_subscript, whole_rows)
 from kvpatch.units import ParsedUnit
 
 POOL_GETTERS = {"get_key_buffer", "get_value_buffer"}
 TUPLE_GETTERS = {"get_kv_buffer"}  # returns (k, v)
-# Ops that keep "the whole pool" (a view, a reshape, a slice of every row).
-VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
-                "contiguous", "permute", "transpose", "narrow", "expand", "as_strided",
-                "t", "detach", "select", "split", "chunk", "unbind"}
-GATHER_METHODS = {"index_select", "gather", "take", "masked_select", "take_along_dim"}
 CAST_METHODS = {"float", "half", "bfloat16", "double"}
-
 
 
 # Plain isinstance tests instead of libcst.matchers: importing that module costs
@@ -154,24 +150,23 @@ class UnitContext:
             return Origin("pool", [expr])
         if isinstance(expr, cst.Subscript):
             inner = self.origin(expr.value, depth + 1)
+            if attr_call(expr.value, TUPLE_VIEWS):
+                return inner  # one piece of a split, not a row gather
             if inner.kind is None and attr_call(expr.value, TUPLE_GETTERS):
-                return Origin("pool", [expr.value]) if _int_subscript(expr) else Origin(None)
-            if inner.kind in ("pool", "mixed") and not _whole_rows(expr):
+                return Origin("pool", [expr.value]) if int_subscript(expr) else Origin(None)
+            if inner.kind in ("pool", "mixed") and not whole_rows(expr):
                 return Origin("gathered", inner.getters, inner.others, inner.via_names)
             return inner
         if isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute):
             meth = expr.func.attr.value
-            if meth in VIEW_METHODS:
-                return self.origin(expr.func.value, depth + 1)
-            if meth in GATHER_METHODS:
-                inner = self.origin(expr.func.value, depth + 1)
-                if inner.kind in ("pool", "mixed"):
-                    return Origin("gathered", inner.getters, inner.others, inner.via_names)
-                # torch.index_select(buf, dim, idx)
-                if expr.args:
-                    inner = self.origin(expr.args[0].value, depth + 1)
-                    if inner.kind in ("pool", "mixed"):
-                        return Origin("gathered", inner.getters, inner.others, inner.via_names)
+            if meth not in VIEW_METHODS and meth not in GATHER_METHODS:
+                return Origin(None)
+            source, args = self.tensor_operand(expr)
+            inner = self.origin(source, depth + 1) if source is not None else Origin(None)
+            if meth in VIEW_METHODS or not gathers_rows(meth, args):
+                return inner
+            if inner.kind in ("pool", "mixed"):
+                return Origin("gathered", inner.getters, inner.others, inner.via_names)
             return Origin(None)
         if isinstance(expr, cst.Name):
             defs = self.flow.defs_of(expr)
@@ -196,15 +191,31 @@ class UnitContext:
             return Origin(None)
         return Origin(None)
 
+    def tensor_operand(self, call: cst.Call) -> Tuple[Optional[cst.BaseExpression], List[cst.Arg]]:
+        """The tensor a tensor op reads, and the op's other arguments: `x` and
+        `(args)` for the method form `x.split(args)`, and for the function form
+        `torch.split(x, args)` (the receiver is a module: a dotted name whose
+        root is not a local variable, or one bound only by a local import)."""
+        receiver = call.func.value
+        root = receiver
+        while isinstance(root, cst.Attribute):
+            root = root.value
+        if isinstance(root, cst.Name) and all(d.kind == "import" for d in self.flow.defs_of(root)):
+            pos = [a for a in call.args if a.keyword is None and not a.star]
+            if not pos:
+                return None, []
+            return pos[0].value, [a for a in call.args if a is not pos[0]]
+        return receiver, list(call.args)
+
     def _origin_of_def(self, d: Definition, depth: int) -> Origin:
         if d.kind in ("assign", "aug") and d.value is not None:
             return self.origin(d.value, depth)
         if d.kind == "unpack" and d.source is not None:
             if attr_call(d.source, TUPLE_GETTERS):
                 return Origin("pool", [d.source])
-            if isinstance(d.source, cst.Call) and isinstance(d.source.func, cst.Attribute) \
-                    and d.source.func.attr.value in ("split", "chunk", "unbind"):
-                return self.origin(d.source.func.value, depth)
+            if attr_call(d.source, TUPLE_VIEWS):
+                source, _ = self.tensor_operand(d.source)
+                return self.origin(source, depth) if source is not None else Origin(None)
         return Origin(None)
 
     # -- casts -----------------------------------------------------------
@@ -226,10 +237,10 @@ class UnitContext:
         if "dtype" in kws:
             return CastForm("to", kws["dtype"].value, kws["dtype"], not pos and set(kws) <= {"dtype", "non_blocking"}, meth)
         if len(pos) == 1:
-            if _device_like(pos[0].value):
+            if device_like(pos[0].value):
                 return None
             return CastForm("to", pos[0].value, pos[0], set(kws) <= {"non_blocking"}, meth)
-        if len(pos) >= 2 and not _device_like(pos[1].value):
+        if len(pos) >= 2 and not device_like(pos[1].value):
             return CastForm("to", pos[1].value, pos[1], False, meth)
         return None
 
@@ -336,34 +347,6 @@ def _contains(root: cst.CSTNode, node: cst.CSTNode) -> bool:
 
     root.visit(V())
     return bool(found)
-
-
-def _int_subscript(sub: cst.Subscript) -> bool:
-    return len(sub.slice) == 1 and isinstance(sub.slice[0].slice, cst.Index) and isinstance(
-        sub.slice[0].slice.value, cst.Integer)
-
-
-def _whole_rows(sub: cst.Subscript) -> bool:
-    """`buf[:, :, :512]` keeps every row of the pool; `buf[kv_indices]` gathers."""
-    first = sub.slice[0].slice if sub.slice else None
-    if isinstance(first, cst.Slice):
-        return first.lower is None and first.upper is None and first.step is None
-    if isinstance(first, cst.Index) and isinstance(first.value, cst.Ellipsis):
-        return True
-    return False
-
-
-def _device_like(e: cst.BaseExpression) -> bool:
-    if isinstance(e, (cst.SimpleString, cst.ConcatenatedString, cst.FormattedString, cst.Integer)):
-        return True
-    if isinstance(e, cst.Attribute) and e.attr.value in ("device",):
-        return True
-    if isinstance(e, cst.Name) and "device" in e.value.lower():
-        return True
-    if isinstance(e, cst.Call) and (is_attr(e.func, ("device",))
-                                    or (isinstance(e.func, cst.Name) and e.func.value == "device")):
-        return True
-    return False
 
 
 def is_kv_dtype_expr(e: cst.BaseExpression, ctx: UnitContext) -> bool:

@@ -92,6 +92,19 @@ def _whole_rows(sl: ast.AST) -> bool:
     return isinstance(first, ast.Constant) and first.value is Ellipsis
 
 
+def _row_gather(meth: str, args: List[ast.AST], keywords: List[ast.keyword]) -> bool:
+    """index_select along a literal dim other than 0 keeps every row."""
+    if meth != "index_select":
+        return True
+    dims = [k.value for k in keywords if k.arg == "dim"] + list(args[:1])
+    if not dims:
+        return True
+    try:
+        return ast.literal_eval(dims[0]) == 0
+    except ValueError:
+        return True  # a computed dim: assume rows
+
+
 def _int_index(sl: ast.AST) -> bool:
     return isinstance(sl, ast.Constant) and isinstance(sl.value, int)
 
@@ -149,6 +162,8 @@ class Scope:
             return _join(kv), srcs
         if isinstance(e, ast.Subscript):
             k, g = self.kind(e.value, depth + 1)
+            if _call_attr(e.value) in SPLIT_METHODS:
+                return k, g  # a piece of a split: not a row gather
             if k == "tuple":
                 return ("pool", g) if _int_index(e.slice) else ("mixed", g)
             if k in ("pool", "mixed") and not _whole_rows(e.slice):
@@ -160,18 +175,17 @@ class Scope:
             return None, []
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute):
             meth = e.func.attr
-            if meth in KEEP_METHODS or meth in SPLIT_METHODS:
+            if meth not in KEEP_METHODS | SPLIT_METHODS | GATHER_METHODS:
+                return None, []
+            rest = e.args
+            if isinstance(e.func.value, ast.Name) and e.func.value.id == "torch" and e.args:
+                k, g = self.kind(e.args[0], depth + 1)  # torch.split(buf, ...), torch.index_select(buf, ...)
+                rest = e.args[1:]
+            else:
                 k, g = self.kind(e.func.value, depth + 1)
-                return k, g
-            if meth in GATHER_METHODS:
-                k, g = self.kind(e.func.value, depth + 1)
-                if k in ("pool", "mixed", "gathered"):
-                    return "gathered", g
-                if e.args:  # torch.index_select(buf, dim, idx)
-                    k, g = self.kind(e.args[0], depth + 1)
-                    if k in ("pool", "mixed", "gathered"):
-                        return "gathered", g
-            return None, []
+            if meth in GATHER_METHODS and k in ("pool", "mixed", "gathered") and _row_gather(meth, rest, e.keywords):
+                return "gathered", g
+            return k, g
         if isinstance(e, ast.IfExp):
             a, ga = self.kind(e.body, depth + 1)
             b, gb = self.kind(e.orelse, depth + 1)
