@@ -348,7 +348,8 @@ def test_reference_dtype_checks_match_flashinfer():
 
 
 def test_null_stub_and_kv_indices_kernel():
-    from kvpatch.verify.stubs import KvIndicesKernel, Null
+    from kvpatch.verify.fakes import KvIndicesKernel
+    from kvpatch.verify.stubs import Null
     n = Null("x")
     assert not n and not n.a.b() and not n["k"] and list(n) == [] and not n()
     with n as m:

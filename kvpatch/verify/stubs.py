@@ -21,6 +21,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from . import fakes
+
 
 class Null:
     """Falsy stand-in for any SGLang name the verified paths do not need."""
@@ -93,34 +95,6 @@ class Namespace:
 # --- real implementations the math needs -------------------------------------
 
 
-class KvIndicesKernel:
-    """Torch version of SGLang's create_flashinfer_kv_indices_triton.
-
-    Used as ``kernel[grid](req_to_token, req_pool_indices, paged_kernel_lens,
-    kv_indptr, kv_start_idx, kv_indices, req_to_token_stride[, PAGE_SIZE])``.
-    It writes into ``kv_indices`` in place, as the Triton kernel does (the
-    CUDA-graph replay path relies on that). Host loop: it runs at plan time,
-    outside graph capture, where SGLang's kernel runs too.
-    """
-
-    def __getitem__(self, grid):
-        return self
-
-    def __call__(self, req_to_token, req_pool_indices, page_kernel_lens, kv_indptr,
-                 kv_start_idx, kv_indices, req_to_token_stride=None, PAGE_SIZE=1, **_):
-        bs = int(req_pool_indices.numel())
-        rows = req_pool_indices.tolist()
-        lens = page_kernel_lens[:bs].tolist()
-        starts = kv_indptr[:bs].tolist()
-        offs = kv_start_idx[:bs].tolist() if kv_start_idx is not None else [0] * bs
-        p = int(PAGE_SIZE)
-        for b in range(bs):
-            toks = req_to_token[rows[b], offs[b]: offs[b] + lens[b]]
-            if p > 1:
-                toks = toks[::p] // p
-            kv_indices[starts[b]: starts[b] + toks.numel()] = toks.to(kv_indices.dtype)
-
-
 def _next_power_of_2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 0 else 1
 
@@ -133,7 +107,13 @@ PARALLEL = Namespace(
 # By attribute name, whichever sglang module it is imported from (these names
 # moved between modules across SGLang versions; the names stayed).
 REAL: Dict[str, object] = {
-    "create_flashinfer_kv_indices_triton": KvIndicesKernel(),
+    "create_flashinfer_kv_indices_triton": fakes.KV_INDICES_KERNEL,
+    # Compared and isinstance-checked by the speculative paths: real classes.
+    "SpecInputType": fakes.SpecInputType,
+    "SpecInput": fakes.SpecInput,
+    "SpecInfo": fakes.SpecInput,
+    "EagleVerifyInput": fakes.EagleVerifyInput,
+    "EagleDraftInput": fakes.EagleDraftInput,
     "is_flashinfer_available": lambda: True,
     "get_parallel": lambda: PARALLEL,
     "get_attention_tp_size": lambda: 1,

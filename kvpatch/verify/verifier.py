@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from .fakes import DECODE
 from .judge import FullPoolGuard, _exc_text, compare
 from .report import FAILED, PASSED, SKIPPED, CaseResult, VerifyReport
 from .side import DECODE_SITE, PREFILL_SITE, Side, call_bound
@@ -133,7 +134,8 @@ class FileVerifier:
         b.decode_cuda_graph_metadata[bs] = w
         values = dict(bs=bs, req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens,
                       seq_lens_sum=fb.seq_lens_sum, encoder_lens=None,
-                      forward_mode=fb.forward_mode, spec_info=None, seq_lens_cpu=fb.seq_lens_cpu)
+                      forward_mode=fb.forward_mode, spec_info=None, seq_lens_cpu=fb.seq_lens_cpu,
+                      plan=side.kv_plan, kv_view=side.translator.table(fb.req_pool_indices))
         for name in REPLAY_METHODS:
             fn = getattr(b, name, None)
             if fn is None:
@@ -174,7 +176,7 @@ class FileVerifier:
         w = side.new_wrapper(use_cuda_graph=True, qo_indptr=gb["qo_indptr"][: bs + 1],
                              kv_indptr=gb["kv_indptr"][: bs + 1], kv_indices=gb["kv_indices"],
                              kv_len_arr=gb["kv_lens"][:bs])
-        fb = side.forward_batch(capture_batch, True, seq_dtype=torch.int32)
+        fb = side.forward_batch(capture_batch, DECODE, seq_dtype=torch.int32)
         side.plan_decode(w, capture_batch, fb)
         w.plan = partial(side.module.fast_mla_decode_plan, w)
         return w, gb, fb
@@ -221,7 +223,7 @@ class FileVerifier:
                 c.status, c.message = SKIPPED, f"original raised {_exc_text(exc, self.orig)}"
                 continue
             try:
-                fb = self.pat.forward_batch(batch, True, seq_dtype=torch.int32)
+                fb = self.pat.forward_batch(batch, DECODE, seq_dtype=torch.int32)
                 via = self._replay(self.pat, w, gb, batch, fb)
                 q_nope.copy_(batch.q_nope)
                 q_pe.copy_(batch.q_pe)
@@ -247,7 +249,7 @@ class FileVerifier:
             w, gb, fb = self._graph_side(self.orig, shape, cap)
             self.orig.forward(True, w, cap, fb)
             if batch is not None:
-                fb = self.orig.forward_batch(batch, True, seq_dtype=torch.int32)
+                fb = self.orig.forward_batch(batch, DECODE, seq_dtype=torch.int32)
                 self._replay(self.orig, w, gb, batch, fb)
                 self.orig.forward(True, w, batch, fb)
         except Exception as oexc:

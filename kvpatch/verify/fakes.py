@@ -1,0 +1,245 @@
+"""Torch implementations of the SGLang objects the verified math runs through.
+
+The backend file under test is real; everything it calls to get its indices is
+served from here (through ``stubs.REAL``, by attribute name, or set on the
+backend and the forward batch by ``side``): the kv-indices kernel, the
+KV index translator of 0.5.19+ (a static pool: ids pass through untranslated),
+the ``KVLocPlan`` of 0.5.22+, the forward modes and the speculative-decoding
+inputs (``generate_attn_arg_prefill``). Each fills its outputs in place where
+SGLang's does, since the CUDA-graph replay paths rely on that.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from typing import Optional
+
+import torch
+
+
+class KvIndicesKernel:
+    """Torch version of SGLang's create_flashinfer_kv_indices_triton.
+
+    Used as ``kernel[grid](req_to_token, req_pool_indices, paged_kernel_lens,
+    kv_indptr, kv_start_idx, kv_indices, req_to_token_stride[, PAGE_SIZE])``.
+    It writes into ``kv_indices`` in place, as the Triton kernel does (the
+    CUDA-graph replay path relies on that). Host loop: it runs at plan time,
+    outside graph capture, where SGLang's kernel runs too.
+    """
+
+    def __getitem__(self, grid):
+        return self
+
+    def __call__(self, req_to_token, req_pool_indices, page_kernel_lens, kv_indptr,
+                 kv_start_idx, kv_indices, req_to_token_stride=None, PAGE_SIZE=1, **_):
+        bs = int(page_kernel_lens.numel())
+        rows = req_pool_indices[:bs].tolist()
+        lens = page_kernel_lens[:bs].tolist()
+        starts = kv_indptr[:bs].tolist()
+        offs = kv_start_idx[:bs].tolist() if kv_start_idx is not None else [0] * bs
+        p = int(PAGE_SIZE)
+        for b in range(bs):
+            toks = req_to_token[rows[b], offs[b]: offs[b] + lens[b]]
+            if p > 1:
+                toks = toks[::p] // p
+            kv_indices[starts[b]: starts[b] + toks.numel()] = toks.to(kv_indices.dtype)
+
+
+KV_INDICES_KERNEL = KvIndicesKernel()
+
+
+class KVLocPlan:
+    """0.5.22+: the per-iteration plan of where a batch's KV lives. A static
+    pool builds no read table, so the translator reads req_to_token rows."""
+
+    def has_read_table(self, *a, **k):
+        return False
+
+    def is_read_by(self, *a, **k):
+        return True
+
+
+class Translator:
+    """SGLang's KVIndexTranslator (0.5.19+) for a static pool: every read is the
+    ``req_to_token`` passthrough, nothing is translated. One method per name
+    the releases call (build_index_table / index_table_for_batch of 0.5.19,
+    fill_packed_read_stream of 0.5.20, pack_read_stream / read_source of 0.5.22+)."""
+
+    is_translating = False
+    needs_read_translate = False
+    reads_are_translated = False
+    full_v2p_table = None
+
+    def __init__(self, req_to_token: torch.Tensor):
+        self.req_to_token = req_to_token
+
+    def table(self, req_pool_indices):
+        """KVIndexTable of the passthrough (ids[row_ids[b] * row_stride + j])."""
+        return types.SimpleNamespace(
+            ids=self.req_to_token, row_ids=req_pool_indices,
+            row_stride=self.req_to_token.stride(0), entry_page_size=1, is_translated=False,
+            v2p=None)
+
+    def build_index_table(self, *, req_pool_indices, seq_lens=None, **_):
+        return self.table(req_pool_indices)
+
+    def index_table_for_batch(self, forward_batch):
+        return self.table(forward_batch.req_pool_indices)
+
+    def make_capture_tables(self, **_):
+        return None
+
+    def read_source(self, plan=None, *, req_pool_indices, bs=None, **_):
+        return self.table(req_pool_indices)
+
+    def read_table(self, plan, **_):
+        return self.table(plan.req_pool_indices)
+
+    def pack_read_stream(self, plan=None, *, req_pool_indices, seq_lens, indptr, out,
+                         kv_start_idx=None, token_mapping=None, **_):
+        if token_mapping is not None:
+            raise NotImplementedError("verify fakes: SWA token_mapping is not modelled")
+        KV_INDICES_KERNEL(self.req_to_token, req_pool_indices, seq_lens, indptr, kv_start_idx,
+                          out)
+        return False
+
+    def fill_packed_read_stream(self, *, req_pool_indices, seq_lens, indptr, out,
+                                kv_start_idx=None, **_):
+        return self.pack_read_stream(None, req_pool_indices=req_pool_indices,
+                                     seq_lens=seq_lens, indptr=indptr, out=out,
+                                     kv_start_idx=kv_start_idx)
+
+    def translate_dcp_read_ids(self, ids):
+        return ids
+
+
+class SpecInputType(enum.IntEnum):
+    """sglang.srt.speculative.spec_info.SpecInputType (members of 0.5.23): the
+    backend compares against DFLASH_VERIFY, so it must be a real enum here."""
+
+    EAGLE_DRAFT = enum.auto()
+    EAGLE_DRAFT_EXTEND = enum.auto()
+    EAGLE_VERIFY = enum.auto()
+    FROZEN_KV_MTP_DRAFT = enum.auto()
+    FROZEN_KV_MTP_VERIFY = enum.auto()
+    DFLASH_DRAFT = enum.auto()
+    DFLASH_VERIFY = enum.auto()
+    NGRAM_VERIFY = enum.auto()
+
+
+class SpecInput:
+    """Base of the speculative inputs (the backend asserts isinstance on it)."""
+
+    spec_input_type: Optional[SpecInputType] = None
+    custom_mask = None
+    ragged_verify_layout = None
+    topk = 1
+
+    def __init__(self, req_to_token: torch.Tensor, tokens: int):
+        self.req_to_token = req_to_token
+        self.draft_token_num = self.num_tokens_per_req = tokens
+        self.calls = []  # which SGLang hooks ran: the case says which path it verified
+
+    def is_draft_input(self):
+        return False
+
+    def is_verify_input(self):
+        return False
+
+    def _indices(self, req_pool_indices, kv_lens, out=None):
+        bs = int(kv_lens.numel())
+        indptr = torch.zeros((bs + 1,), dtype=torch.int32, device=req_pool_indices.device)
+        indptr[1:] = torch.cumsum(kv_lens, dim=0)
+        if out is None:
+            out = torch.empty((int(kv_lens.sum()),), dtype=torch.int32,
+                              device=req_pool_indices.device)
+        KV_INDICES_KERNEL(self.req_to_token, req_pool_indices, kv_lens, indptr, None, out)
+        return out, indptr
+
+
+class EagleVerifyInput(SpecInput):
+    """Target verify of EAGLE / MTP (topk 1: no custom mask) or DFLASH: the kernel
+    reads each request's prefix plus its draft_token_num draft tokens."""
+
+    spec_input_type = SpecInputType.EAGLE_VERIFY
+
+    def __init__(self, req_to_token, tokens, dflash=False):
+        super().__init__(req_to_token, tokens)
+        if dflash:
+            self.spec_input_type = SpecInputType.DFLASH_VERIFY
+
+    def is_verify_input(self):
+        return True
+
+    def generate_attn_arg_prefill(self, req_pool_indices, paged_kernel_lens,
+                                  paged_kernel_lens_sum=None, req_to_token=None, *,
+                                  kv_indices_buf=None, kv_start_idx=None, **_):
+        # Old releases pass req_to_token positionally, new ones translator= and
+        # plan=: the rows are the same req_to_token rows either way.
+        self.calls.append("generate_attn_arg_prefill"
+                          + ("(kv_indices_buf=)" if kv_indices_buf is not None else ""))
+        if kv_start_idx is not None:
+            raise NotImplementedError("verify fakes: kv_start_idx is not modelled")
+        n = self.draft_token_num
+        bs = int(req_pool_indices.numel())
+        qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32,
+                                 device=req_pool_indices.device)
+        kv_indices, kv_indptr = self._indices(req_pool_indices, paged_kernel_lens + n,
+                                              out=kv_indices_buf)
+        return kv_indices, kv_indptr, qo_indptr, self.custom_mask
+
+
+class EagleDraftInput(SpecInput):
+    """Draft extend: each request appends accept_length (here num_tokens_per_req)
+    tokens and attends to its whole sequence, seq_lens included them."""
+
+    spec_input_type = SpecInputType.EAGLE_DRAFT_EXTEND
+
+    def __init__(self, req_to_token, tokens, bs, device):
+        super().__init__(req_to_token, tokens)
+        self.accept_length = torch.full((bs,), tokens, dtype=torch.int32, device=device)
+
+    def is_draft_input(self):
+        return True
+
+    def generate_attn_arg_prefill(self, req_pool_indices, paged_kernel_lens,
+                                  paged_kernel_lens_sum=None, req_to_token=None, **_):
+        self.calls.append("generate_attn_arg_prefill")
+        bs = int(self.accept_length.numel())
+        qo_indptr = torch.zeros((bs + 1,), dtype=torch.int32, device=req_pool_indices.device)
+        qo_indptr[1:] = torch.cumsum(self.accept_length, dim=0)
+        kv_indices, kv_indptr = self._indices(req_pool_indices, paged_kernel_lens)
+        return kv_indices, kv_indptr, qo_indptr, None
+
+
+# The forward modes a case can run in, with what ForwardMode.is_* answers for
+# each (SGLang: TARGET_VERIFY is an extend; DRAFT_EXTEND(_V2) is not, unless
+# asked with include_draft_extend_v2).
+DECODE, EXTEND, TARGET_VERIFY, DRAFT_EXTEND = "decode", "extend", "target_verify", "draft_extend"
+_MODE_TRUE = {
+    DECODE: {"is_decode", "is_decode_or_idle"},
+    EXTEND: {"is_extend", "is_extend_or_draft_extend_or_mixed"},
+    TARGET_VERIFY: {"is_target_verify", "is_extend"},
+    # Both generations of draft extend: a release asks is_draft_extend() (v1, through
+    # spec_info) or is_draft_extend_v2() (the host-array extend path of 0.5.2x).
+    DRAFT_EXTEND: {"is_draft_extend", "is_draft_extend_v2"},
+}
+
+
+class Mode:
+    """ForwardMode as the verified paths query it."""
+
+    def __init__(self, kind: str):
+        if kind not in _MODE_TRUE:
+            raise ValueError(f"unknown forward mode {kind!r}")
+        self.kind = kind
+
+    def __getattr__(self, attr):
+        if attr.startswith("is_"):
+            answer = attr in _MODE_TRUE[self.kind]
+            return lambda *a, **k: answer
+        raise AttributeError(attr)
+
+    def __repr__(self):
+        return f"<ForwardMode {self.kind}>"

@@ -1,0 +1,77 @@
+"""kvpatch verify (CPU reference path) on the real SGLang releases 0.5.16-0.5.23.
+
+The releases' source is never committed: the trees come from KVPATCH_SGLANG_RELEASES
+(unpacked wheels or the wheels, see tests/test_releases.py), else from
+/work/cache/releases where this project's machines keep them; otherwise every test
+here skips and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from kvpatch.cli import main  # noqa: E402
+from kvpatch.verify import run_verify  # noqa: E402
+from test_releases import FI_MLA_IN_PACKAGE, RELEASES, RELEASES_ENV, _release_root  # noqa: E402
+
+LOCAL_RELEASES = Path("/work/cache/releases")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny CPU cases: torch's thread pool only adds overhead on a shared machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def patched_release(version, tmp_path_factory, monkeypatch, runtime_text=None) -> Path:
+    """A patched copy of the release (`kvpatch apply`), its runtime optionally replaced."""
+    if not os.environ.get(RELEASES_ENV) and LOCAL_RELEASES.is_dir():
+        monkeypatch.setenv(RELEASES_ENV, str(LOCAL_RELEASES))
+    src = _release_root(version, tmp_path_factory.mktemp(f"whl-{version}"))
+    root = tmp_path_factory.mktemp(f"rel-{version}")
+    shutil.copytree(src / "sglang", root / "sglang")
+    r = CliRunner().invoke(main, ["apply", str(root)])
+    assert r.exit_code in (0, 1), r.output
+    if runtime_text is not None:
+        rt = (root / "sglang" / FI_MLA_IN_PACKAGE).parent / "_kvpatch_runtime.py"
+        rt.write_text(runtime_text)
+    return root
+
+
+def _backend_digest(version):
+    """Releases with a byte-identical backend file verify the same: run one of each."""
+    base = Path(os.environ.get(RELEASES_ENV) or LOCAL_RELEASES)
+    f = base / version / "sglang" / FI_MLA_IN_PACKAGE
+    return hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else version
+
+
+def distinct_releases():
+    seen, out = set(), []
+    for v in RELEASES:
+        d = _backend_digest(v)
+        if d not in seen:
+            seen.add(d)
+            out.append(v)
+    return out
+
+
+@pytest.mark.real_sglang
+@pytest.mark.parametrize("version", distinct_releases())
+def test_release_verifies(tmp_path_factory, monkeypatch, version):
+    r = run_verify(patched_release(version, tmp_path_factory, monkeypatch), modes=("gather",),
+                   device="cpu", quick=True)
+    assert r.ok, r.format()
+    ran = {(c.path, c.exec) for c in r.cases if c.passed}
+    assert {("decode", "eager"), ("decode", "replay"), ("prefill", "eager")} <= ran, r.format()
+    assert not r.failures and not r.errors
