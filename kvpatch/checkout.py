@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from kvpatch.gittxn import BRANCH_PREFIX
+
 
 @dataclass
 class GitInfo:
@@ -79,7 +81,7 @@ def branch_name(info: GitInfo, root: Path) -> str:
     version = sglang_version(root)
     sha = info.commit or "0" * 10
     tag = f"v{version}-{sha[:7]}" if version else sha[:10]
-    base = "kvpatch/" + re.sub(r"[^A-Za-z0-9._-]", "-", tag)
+    base = BRANCH_PREFIX + re.sub(r"[^A-Za-z0-9._-]", "-", tag)
     existing = {h.name for h in info.repo.heads}
     name, n = base, 2
     while name in existing:

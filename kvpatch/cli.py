@@ -350,18 +350,19 @@ def recover(out: Out, path, dry_run):
     Example:  kvpatch recover --dry-run ~/sglang
     """
     from kvpatch import lock, write
+    from kvpatch.gittxn import GitUndoError
     from kvpatch.safepath import UnsafePath
 
     root = _root(path, out).resolve()
     try:
         with lock.exclusive(root):
-            _recover(out, root, dry_run, write, UnsafePath)
+            _recover(out, root, dry_run, write, (UnsafePath, GitUndoError))
     except lock.Busy as exc:
         out.error(str(exc))
         sys.exit(EXIT_ERROR)
 
 
-def _recover(out: Out, root: Path, dry_run: bool, write, UnsafePath) -> None:
+def _recover(out: Out, root: Path, dry_run: bool, write, refusals) -> None:
     j = write.pending(root)
     if j is None:
         out.echo("nothing to recover")
@@ -375,7 +376,7 @@ def _recover(out: Out, root: Path, dry_run: bool, write, UnsafePath) -> None:
             out.info(f"kvpatch recover --dry-run: {len(steps)} step(s); nothing changed")
             sys.exit(EXIT_OK)
         restored = write.rollback(root)
-    except (UnsafePath, OSError) as exc:
+    except (*refusals, OSError) as exc:
         out.error(f"refusing to recover, nothing was touched: {exc}")
         sys.exit(EXIT_ERROR)
     out.echo(f"rolled back {len(restored)} file(s): " + ", ".join(restored))

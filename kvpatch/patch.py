@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, lock, write
+from kvpatch import RULESET_VERSION, __version__, checkout, gittxn, lock, write
 from kvpatch.engine import ScanResult, analyze_source, scan_tree
 from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
@@ -239,7 +239,7 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=
             branch = None
             raise
 
-    write.apply_writes(root, writes, "apply", before_finish=finish)
+    write.apply_writes(root, writes, "apply", before_finish=finish, git=_git_record(info, no_commit))
     return ApplyResult(patch, [w.rel for w in writes], branch, commit_sha, info is not None, notice)
 
 
@@ -358,9 +358,15 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> R
         commit_sha = checkout.commit(info, add, rm, f"kvpatch: revert ({len(restored)} files restored, "
                                                     f"{len(removed)} runtime files removed)\n")
 
-    write.apply_writes(root, writes, "revert", before_finish=finish)
+    write.apply_writes(root, writes, "revert", before_finish=finish, git=_git_record(info, no_commit))
     _prune_empty(root / STATE_DIR)
     return RevertResult(restored, removed, commit_sha, info is not None, notice)
+
+
+def _git_record(info, no_commit: bool) -> Optional[dict]:
+    """Where HEAD is before the git steps, for the journal: a kill in the middle
+    of them is undone ref for ref. None when the write makes no git step."""
+    return None if info is None or no_commit else gittxn.record(info)
 
 
 @contextmanager

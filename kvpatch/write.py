@@ -1,11 +1,12 @@
 """write: change several files so that a checkout is all-old or all-new.
 
 POSIX renames are atomic one file at a time, so a set of writes is made
-recoverable instead: every new file is staged next to its target and every
-old one copied aside, then a journal is written, then the targets are
-replaced. An exception, Ctrl-C or SIGTERM while replacing rolls back at once;
-a kill -9 leaves the journal, which ``status`` reports and the next
-``apply``/``revert``/``recover`` rolls back before doing anything else.
+recoverable instead: a journal is written first (with where git's HEAD was),
+then every new file is staged next to its target and every old one copied
+aside, then the targets are replaced and the git steps run. An exception,
+Ctrl-C or SIGTERM rolls back at once; a kill -9 leaves the journal, which
+``status`` reports and only ``kvpatch recover`` rolls back (files, then refs
+and index through gittxn), since a journal may come with a cloned fork.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from kvpatch import gittxn
 from kvpatch.safepath import (UnsafePath, create_new, inside, is_link, read_regular, remove_stale,
                               tmp_path, under, write_replace)
 from kvpatch.state import JOURNAL_FILE, STATE_DIR, sha256, write_json_atomic
 
 TXN_DIR = "txn"
+GIT_KEY = "git"  # the journal's record of HEAD before the write (gittxn.record)
 # Journal phases: while staging, no target has been touched yet.
 PHASE_STAGING = "staging"
 PHASE_REPLACING = "replacing"
@@ -112,6 +115,15 @@ def check_journal(root: Path, j: dict) -> None:
             raise UnsafePath(f"journal mode {f['mode']!r} of {rel!r} is not a permission mode")
     for d in dirs:
         inside(root, d, "journal directory")
+    if j.get(GIT_KEY) is not None:
+        gittxn.check(j[GIT_KEY])
+
+
+def _git_steps(root: Path, j: dict):
+    """The git commands that undo the journal's git steps (none without a git record)."""
+    if j.get(GIT_KEY) is None:
+        return []
+    return gittxn.plan(root, j[GIT_KEY], j["files"])
 
 
 def plan_rollback(root: Path, j: dict) -> List[str]:
@@ -129,7 +141,7 @@ def plan_rollback(root: Path, j: dict) -> List[str]:
             lines.append(f"remove {f['rel']} (created by the interrupted write)")
         if f.get("tmp") and ((root / f["tmp"]).exists() or is_link(root / f["tmp"])):
             lines.append(f"remove {f['tmp']}")
-    return lines
+    return lines + [what for what, _ in _git_steps(root, j)]
 
 
 def rollback(root: Path) -> List[str]:
@@ -139,6 +151,9 @@ def rollback(root: Path) -> List[str]:
     if j is None:
         return []
     check_journal(root, j)
+    # Asked before any file is touched: a git side that cannot be undone now
+    # (a stale index.lock) leaves everything, journal included, for a later recover.
+    git_steps = _git_steps(root, j)
     restored = []
     staging = j.get("phase") == PHASE_STAGING  # no target touched yet
     for f in j.get("files", []):
@@ -149,6 +164,9 @@ def rollback(root: Path) -> List[str]:
         elif f.get("backup"):
             backup = root / f["backup"]
             if backup.exists():
+                # revert prunes the emptied .kvpatch/originals/ folders before its
+                # commit: a kill after that finds the restored copy's folder gone.
+                target.parent.mkdir(parents=True, exist_ok=True)
                 write_replace(target, read_regular(backup), f.get("mode"))
                 restored.append(f["rel"])
         elif f.get("created") and (target.exists() or is_link(target)):
@@ -157,6 +175,7 @@ def rollback(root: Path) -> List[str]:
         if tmp is not None:
             remove_stale(tmp)
     _remove_dirs(root, j.get("created_dirs", []))
+    gittxn.undo(root, git_steps)  # before the journal goes: a kill here leaves it to recover again
     _cleanup(root)
     return restored
 
@@ -203,9 +222,11 @@ def _test_pause(n: int) -> None:  # pragma: no cover - exercised in a subprocess
 
 
 def apply_writes(root: Path, writes: List[FileWrite], op: str,
-                 before_finish: Optional[Callable[[], None]] = None) -> None:
+                 before_finish: Optional[Callable[[], None]] = None, git: Optional[dict] = None) -> None:
     """Write all files or none. `before_finish` (e.g. the git commit) runs
-    after every file is in place; if it raises, everything is rolled back."""
+    after every file is in place; if it raises, everything is rolled back,
+    and with `git` (gittxn.record, taken before any git step) the refs and
+    the index too."""
     problems = preflight(root, writes)
     if problems:
         raise WriteError("; ".join(problems))
@@ -219,7 +240,7 @@ def apply_writes(root: Path, writes: List[FileWrite], op: str,
     except ValueError:  # not the main thread
         old_term = old_int = None
     try:
-        _stage_and_replace(root, writes, op, before_finish)
+        _stage_and_replace(root, writes, op, before_finish, git)
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
@@ -251,13 +272,13 @@ def _plan_entries(root: Path, writes: List[FileWrite]):
     return entries, created_dirs
 
 
-def _journal(root: Path, op: str, phase: str, entries, created_dirs) -> None:
+def _journal(root: Path, op: str, phase: str, entries, created_dirs, git: Optional[dict]) -> None:
     write_json_atomic(journal_path(root), json.dumps(
-        {"op": op, "phase": phase, "files": entries, "created_dirs": created_dirs}, indent=2))
+        {"op": op, "phase": phase, "files": entries, "created_dirs": created_dirs, GIT_KEY: git}, indent=2))
 
 
 def _stage_and_replace(root: Path, writes: List[FileWrite], op: str,
-                       before_finish: Optional[Callable[[], None]]) -> None:
+                       before_finish: Optional[Callable[[], None]], git: Optional[dict]) -> None:
     # The journal exists before the first byte is staged (phase "staging": a kill
     # then leaves targets untouched, and recover only removes the scratch files),
     # and is rewritten as "replacing" once every backup and temp file is complete.
@@ -267,7 +288,7 @@ def _stage_and_replace(root: Path, writes: List[FileWrite], op: str,
         (root / STATE_DIR).mkdir(exist_ok=True)
         if txn.exists():  # a stale one (its journal is gone): nothing in it is needed
             shutil.rmtree(txn)
-        _journal(root, op, PHASE_STAGING, entries, created_dirs)
+        _journal(root, op, PHASE_STAGING, entries, created_dirs, git)
         txn.mkdir()
         for w, e in zip(writes, entries):
             target = root / w.rel
@@ -277,7 +298,7 @@ def _stage_and_replace(root: Path, writes: List[FileWrite], op: str,
                 target.parent.mkdir(parents=True, exist_ok=True)
                 remove_stale(root / e["tmp"])  # a planted link is removed, never written through
                 create_new(root / e["tmp"], w.data, e["mode"])
-        _journal(root, op, PHASE_REPLACING, entries, created_dirs)
+        _journal(root, op, PHASE_REPLACING, entries, created_dirs, git)
     except BaseException:
         for e in entries:
             if e.get("tmp"):

@@ -1,0 +1,271 @@
+"""Interrupted at any instant (issue 10, items 16-18).
+
+apply and revert are one transaction, files and git alike: after a kill -9 at
+any instant the checkout is as before, or as after, or `status` says
+interrupted and `recover` brings back the state before the command byte for
+byte (the working tree) and ref for ref (HEAD, every branch, the index).
+The kill points are each file replacement (KVPATCH_TEST_CRASH_AFTER), each git
+step (a commit hook that kills the whole command) and random instants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import EXAMPLE, git
+from kvpatch.cli import main
+from kvpatch.gittxn import BRANCH_PREFIX, HEADS
+from kvpatch.state import STATE_DIR, STATE_FILE
+from kvpatch.state import JOURNAL_FILE
+from kvpatch.write import CRASH_ENV, GIT_KEY
+
+INTERRUPTED = "interrupted"
+# Git hooks run inside the commit step: one that kills the command's process
+# group stops it just before (pre-commit) or just after (post-commit) the commit.
+GIT_KILL_POINTS = ["pre-commit", "post-commit"]
+KILL_HOOK = f"#!{sys.executable}\nimport os, signal\nos.killpg(os.getpgrp(), signal.SIGKILL)\n"
+RANDOM_KILLS = 6
+STATE_REL = f"{STATE_DIR}/{STATE_FILE}"
+STAMPED = "state.json (stamped with the time of the run)"
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(map(str, args)))
+
+
+def start(cmd: str, root: Path, env=None) -> subprocess.Popen:
+    """kvpatch CMD ROOT in its own process group (so a kill reaches its workers too)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVPATCH_TEST_")}
+    full.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "kvpatch", "--color", "never", cmd, str(root)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full,
+                            start_new_session=True)
+
+
+def files(root: Path) -> dict:
+    """Every entry under root but .git: links as their target, files by content."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        if rel_dir.parts[:1] == (".git",):
+            continue
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = (rel_dir / name).as_posix()
+            if rel == ".git":
+                continue
+            out[rel] = ("link:" + os.readlink(p)) if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
+    return out
+
+
+def git_state(root: Path) -> dict:
+    """HEAD (symbolic or detached), every ref, every index entry."""
+    if not (root / ".git").exists():
+        return {}
+    head = subprocess.run(["git", "-C", str(root), "symbolic-ref", "-q", "HEAD"], capture_output=True, text=True)
+    return {"HEAD": head.stdout.strip() or git(root, "rev-parse", "HEAD"),
+            "refs": git(root, "for-each-ref", "--format=%(refname) %(objectname)"),
+            "index": git(root, "ls-files", "-s")}
+
+
+def whole(root: Path) -> tuple:
+    return files(root), git_state(root)
+
+
+def make_tree(tmp_path: Path, name: str, with_git: bool) -> Path:
+    root = tmp_path / name
+    shutil.copytree(EXAMPLE, root)
+    if with_git:
+        git(root, "init", "-q", "-b", "main")
+        git(root, "config", "user.name", "tester")
+        git(root, "config", "user.email", "tester@example.com")
+        git(root, "add", "-A")
+        git(root, "commit", "-qm", "upstream")
+    return root
+
+
+def prepare(tmp_path: Path, name: str, cmd: str, with_git: bool) -> Path:
+    """A tree ready for `cmd`: the example for apply, the example patched (and committed) for revert."""
+    root = make_tree(tmp_path, name, with_git)
+    if cmd == "revert":
+        r = run("apply", root)
+        assert r.exit_code == 0, r.output
+    return root
+
+
+def after_kill(root: Path, before: tuple, after: tuple, where: str) -> str:
+    """The checkout after a kill: before, after, or interrupted and recovered to before."""
+    st = run("status", "--json", root)
+    assert "Traceback" not in st.output, (where, st.output)
+    state = json.loads(st.stdout)["state"]
+    if state == INTERRUPTED:
+        rc = run("recover", root)
+        assert rc.exit_code == 0 and "Traceback" not in rc.output, (where, rc.output)
+        got = whole(root)
+        assert got[0] == before[0], f"{where}: recover did not restore every byte"
+        assert got[1] == before[1], f"{where}: recover did not restore HEAD, the refs and the index"
+        assert run("status", "--json", root).exit_code != 4
+        return state
+    got = whole(root)
+    assert got == before or _shape(got) == _shape(after), (where, state)
+    return state
+
+
+def _shape(w: tuple) -> tuple:
+    """A finished run, less what differs from run to run: the time in state.json, commit shas."""
+    fs, g = w
+    fs = {k: (STAMPED if k == STATE_REL else v) for k, v in fs.items()}
+    if not g:
+        return fs, g
+    return fs, (_branch(g["HEAD"]), [_branch(r.split()[0]) for r in g["refs"].splitlines()],
+                [e.split("\t")[-1] for e in g["index"].splitlines()])
+
+
+def _branch(ref: str) -> str:
+    """kvpatch's branch names carry the upstream commit, which differs from tree to tree."""
+    prefix = HEADS + BRANCH_PREFIX
+    return prefix + "*" if ref.startswith(prefix) else ref
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """For each (cmd, git): the whole checkout before and after one uninterrupted run, and its wall time."""
+    base = tmp_path_factory.mktemp("outcomes")
+    out = {}
+    for cmd in ("apply", "revert"):
+        for with_git in (False, True):
+            root = prepare(base, f"{cmd}-{with_git}", cmd, with_git)
+            before = whole(root)
+            t0 = time.monotonic()
+            p = start(cmd, root)
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err
+            out[cmd, with_git] = (before, whole(root), time.monotonic() - t0)
+    return out
+
+
+def _n_writes(outcomes, cmd: str, with_git: bool) -> int:
+    before, after, _ = outcomes[cmd, with_git]
+    changed = {k for k in set(before[0]) | set(after[0]) if before[0].get(k) != after[0].get(k)}
+    return len({k for k in changed if not isinstance(before[0].get(k, after[0].get(k)), str)})
+
+
+# --- every file replacement ----------------------------------------------------------------
+
+@pytest.mark.parametrize("with_git", [False, True], ids=["plain", "git"])
+@pytest.mark.parametrize("cmd", ["apply", "revert"])
+def test_kill_after_each_replacement_recovers_byte_for_byte_and_ref_for_ref(tmp_path, outcomes, cmd, with_git):
+    before_ref, after_ref, _ = outcomes[cmd, with_git]
+    for k in range(_n_writes(outcomes, cmd, with_git) + 1):
+        root = prepare(tmp_path, f"k{k}", cmd, with_git)
+        before = whole(root)
+        p = start(cmd, root, {CRASH_ENV: str(k)})
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 137, (k, err)
+        assert after_kill(root, before, after_ref, f"{cmd} killed after {k} replacement(s)") == INTERRUPTED
+
+
+# --- every git step ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("hook", GIT_KILL_POINTS)
+@pytest.mark.parametrize("cmd", ["apply", "revert"])
+def test_kill_inside_the_git_commit_recovers_head_branches_and_index(tmp_path, outcomes, cmd, hook):
+    root = prepare(tmp_path, "t", cmd, True)
+    before = whole(root)
+    hook_file = root / ".git" / "hooks" / hook
+    hook_file.write_text(KILL_HOOK)
+    hook_file.chmod(0o755)
+    p = start(cmd, root)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL, (p.returncode, err)
+    hook_file.unlink()
+    killed = whole(root)
+    dry = run("recover", "--dry-run", root)
+    assert dry.exit_code == 0 and whole(root) == killed, dry.output
+    if cmd == "apply":  # the steps are shown before they are taken
+        assert "would switch HEAD back to main" in dry.output and "would delete branch kvpatch/" in dry.output
+    elif hook == "post-commit":
+        assert "would move kvpatch/" in dry.output, dry.output
+    state = after_kill(root, before, outcomes[cmd, True][1], f"{cmd} killed at {hook}")
+    assert state == INTERRUPTED  # the journal outlives every git step
+
+
+# --- random instants -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(RANDOM_KILLS))
+@pytest.mark.parametrize("with_git", [False, True], ids=["plain", "git"])
+@pytest.mark.parametrize("cmd", ["apply", "revert"])
+def test_kill_at_a_random_instant(tmp_path, outcomes, cmd, with_git, seed):
+    _, after_ref, wall = outcomes[cmd, with_git]
+    root = prepare(tmp_path, "r", cmd, with_git)
+    before = whole(root)
+    p = start(cmd, root)
+    # The writes come last: aim at the second half of the command's life, and a bit past it.
+    time.sleep(random.Random(f"{cmd}{with_git}{seed}").uniform(0.4 * wall, 1.1 * wall))
+    os.killpg(p.pid, signal.SIGKILL)
+    p.communicate(timeout=60)
+    after_kill(root, before, after_ref, f"{cmd} killed at random (seed {seed})")
+
+
+# --- a journal's git record is untrusted too -------------------------------------------------
+
+BAD_GIT_RECORDS = {
+    "not-an-object": "refs/heads/main",
+    "head-not-a-branch": {"head": "HEAD", "commit": None, "branches": []},
+    "head-a-tag": {"head": "refs/tags/v1", "commit": None, "branches": []},
+    "head-dotdot": {"head": "refs/heads/../../config", "commit": None, "branches": []},
+    "commit-not-a-sha": {"head": "refs/heads/main", "commit": "main~1", "branches": []},
+    "commit-an-option": {"head": "refs/heads/main", "commit": "--output=/tmp/x", "branches": []},
+    "branches-not-a-list": {"head": "refs/heads/main", "commit": None, "branches": "refs/heads/kvpatch/x"},
+    "branch-malformed": {"head": "refs/heads/main", "commit": None, "branches": ["refs/heads/a..b"]},
+}
+
+
+def _write_journal(root: Path, files, git_record) -> None:
+    (root / STATE_DIR).mkdir(exist_ok=True)
+    (root / STATE_DIR / JOURNAL_FILE).write_text(json.dumps(
+        {"op": "apply", "phase": "replacing", "files": files, "created_dirs": [], GIT_KEY: git_record}))
+
+
+@pytest.mark.parametrize("case", sorted(BAD_GIT_RECORDS))
+def test_a_malformed_git_record_is_refused_and_nothing_touched(tmp_path, case):
+    root = make_tree(tmp_path, "t", True)
+    _write_journal(root, [], BAD_GIT_RECORDS[case])
+    before = whole(root)
+    for cmd in (["recover"], ["recover", "--dry-run"], ["apply"], ["revert"]):
+        r = run(*cmd, root)
+        assert r.exit_code == 2 and "Traceback" not in r.output, (cmd, r.output)
+        assert whole(root) == before, cmd
+
+
+def test_a_well_formed_git_record_moves_no_user_branch_or_head(tmp_path):
+    """A fork's journal naming an older commit: recover never strips the user's
+    commits, never switches them off their own branch, never resets the index
+    to another commit, and deletes no branch but the one a write made."""
+    root = make_tree(tmp_path, "t", True)
+    base = git(root, "rev-parse", "HEAD")
+    (root / "README.md").write_text("a user's own commit\n")
+    git(root, "commit", "-qam", "kvpatch: a user's commit, named like kvpatch's")
+    git(root, "branch", BRANCH_PREFIX + "mine")  # a user branch at the user's commit
+    git(root, "switch", "-q", "-c", "feature")
+    (root / "README.md").write_text("staged, not committed\n")
+    git(root, "add", "README.md")
+    _write_journal(root, [{"rel": "README.md", "backup": None, "tmp": None, "created": False}],
+                   {"head": HEADS + "main", "commit": base, "branches": []})
+    before = whole(root)
+    dry = run("recover", "--dry-run", root)
+    assert dry.exit_code == 0 and "would" not in dry.output, dry.output
+    r = run("recover", root)
+    assert r.exit_code == 0, r.output
+    assert whole(root)[1] == before[1]
