@@ -31,7 +31,9 @@ import torch
 from . import stubs
 from .reference import make_flashinfer_stub
 from .report import SKIPPED, CaseResult, VerifyReport
+from .fakes import DRAFT_EXTEND, TARGET_VERIFY
 from .side import DECODE_SITE, PREFILL_SITE, Side
+from .spec import DFLASH, EAGLE
 from .targets import Target, find_targets
 from .verifier import FileVerifier
 # gpu/verify_real.py imports BIG_SHAPES and GPU_SHAPES from here.
@@ -195,6 +197,21 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
                 continue
             log(f"  {mode} prefill eager {label}")
             v.eager(False, mode, world.batch(seq, s.heads, prefix=s.prefix, label=label))
+        for s in shapes.spec:
+            for kind in (TARGET_VERIFY, DRAFT_EXTEND):
+                label = f"bs={s.bs} heads={s.heads} tokens={s.tokens}"
+                variants = [EAGLE, DFLASH] if kind == TARGET_VERIFY else [EAGLE]
+                if skip:
+                    _skip(report, t, kind, mode, "eager", label, skip, EAGLE)
+                    for variant in variants if graph else []:
+                        _skip(report, t, kind, mode, "graph" if v.capture else "replay", label,
+                              skip, variant)
+                    continue
+                log(f"  {mode} {kind} eager {label}")
+                v.spec_eager(kind, mode, s)
+                for variant in variants if graph else []:
+                    log(f"  {mode} {kind} {variant} {'graph' if v.capture else 'replay'} {label}")
+                    v.spec_graph(kind, variant, mode, s)
         if skip:
             report.add_reason(f"native mode not run: {skip}")
         for c in report.cases[n_before:]:
@@ -203,10 +220,10 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
     rt.reset()
 
 
-def _skip(report, t, path, mode, exec_, label, why):
+def _skip(report, t, path, mode, exec_, label, why, variant=""):
     report.cases.append(CaseResult(
         file=t.rel, qualname=DECODE_SITE if path == "decode" else PREFILL_SITE, path=path,
-        mode=mode, exec=exec_, batch=label, status=SKIPPED, message=why))
+        mode=mode, exec=exec_, batch=label, variant=variant, status=SKIPPED, message=why))
 
 
 def _short(xs, n=6):

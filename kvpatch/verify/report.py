@@ -15,10 +15,11 @@ class CaseResult:
 
     file: str                      # checkout-relative path of the patched file
     qualname: str                  # site under test, e.g. FlashInferMLAAttnBackend.forward_decode
-    path: str                      # "decode" | "prefill"
+    path: str                      # "decode" | "prefill" | "target_verify" | "draft_extend"
     mode: str                      # KVPATCH_MODE asked for: gather | native | auto
     exec: str                      # "eager" | "graph" (captured CUDA graph) | "replay" (replay path, no capture)
     batch: str                     # human-readable batch shape
+    variant: str = ""              # which SGLang path of a speculative case: eagle | dflash
     kernel: str = ""               # "flashinfer" | "reference"
     kv_path: str = ""              # what the patched run really did: gather | native | cast | ?
     max_abs_err: Optional[float] = None
@@ -40,8 +41,13 @@ class CaseResult:
     def site(self) -> str:
         return f"{self.file} {self.qualname}"
 
+    @property
+    def route(self) -> str:
+        """path, and the speculative variant where there is one (target_verify:dflash)."""
+        return f"{self.path}:{self.variant}" if self.variant else self.path
+
     def label(self) -> str:
-        return f"{self.path}/{self.mode}/{self.exec} {self.batch}"
+        return f"{self.route}/{self.mode}/{self.exec} {self.batch}"
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -108,7 +114,7 @@ class VerifyReport:
             rows.append((
                 c.status.upper() if c.failed else c.status,
                 f"{c.file.rsplit('/', 1)[-1]}:{c.qualname.rsplit('.', 1)[-1]}",
-                c.path, c.mode, c.exec, c.kv_path, c.kernel,
+                c.route, c.mode, c.exec, c.kv_path, c.kernel,
                 "-" if c.max_abs_err is None else f"{c.max_abs_err:.3g}",
                 "-" if c.identical_share is None else f"{c.identical_share:.4f}",
                 c.batch,

@@ -81,7 +81,7 @@ class Side:
                  rel: str):
         self.name, self.module, self.filename, self.world, self.rel = (
             name, module, filename, world, rel)
-        self.qmap = qualname_map(source)
+        self.source, self.qmap = source, qualname_map(source)
         dev = world.device
         for cls in (BACKEND_CLASS, DECODE_UPDATER, PREFILL_UPDATER):
             if not isinstance(getattr(module, cls, None), type):

@@ -11,6 +11,7 @@ from .fakes import DECODE
 from .judge import FullPoolGuard, _exc_text, compare
 from .report import FAILED, PASSED, SKIPPED, CaseResult, VerifyReport
 from .side import DECODE_SITE, PREFILL_SITE, Side, call_bound
+from .spec import SpecCases
 from .targets import BACKEND_CLASS, DECODE_UPDATER, Target
 from .world import FP8, NATIVE_ATOL, NATIVE_RTOL, Q_DTYPE, Batch, DecodeShape, World
 
@@ -19,7 +20,7 @@ from .world import FP8, NATIVE_ATOL, NATIVE_RTOL, Q_DTYPE, Batch, DecodeShape, W
 REPLAY_METHODS = ("_apply_cuda_graph_metadata", "init_forward_metadata_replay_cuda_graph")
 
 
-class FileVerifier:
+class FileVerifier(SpecCases):
     def __init__(self, target: Target, orig: Side, pat: Side, rt, world: World, kernel: str,
                  report: VerifyReport):
         self.t, self.orig, self.pat, self.rt, self.world = target, orig, pat, rt, world
@@ -28,14 +29,15 @@ class FileVerifier:
         # lengths on the host, so a captured reference would replay stale lengths.
         self.capture = world.device.type == "cuda" and kernel == "flashinfer"
 
-    def case(self, path, mode, exec_, batch_label) -> CaseResult:
+    def case(self, path, mode, exec_, batch_label, variant="") -> CaseResult:
         c = CaseResult(file=self.t.rel, qualname=DECODE_SITE if path == "decode" else PREFILL_SITE,
-                       path=path, mode=mode, exec=exec_, batch=batch_label, kernel=self.kernel)
+                       path=path, mode=mode, exec=exec_, batch=batch_label, kernel=self.kernel,
+                       variant=variant)
         self.report.cases.append(c)
         return c
 
     def _kv_path(self, wrapper, guard_hits) -> str:
-        rec = wrapper._kvverify
+        rec = wrapper.__dict__.get("_kvverify", {})
         if guard_hits:
             return "cast"
         if rec.get("run_kv_dtype") == FP8:
@@ -48,7 +50,7 @@ class FileVerifier:
         c.full_pool_casts = list(guard_hits)
         c.kv_path = self._kv_path(wrapper, guard_hits)
         ident, c.max_abs_err, c.identical_share, close = compare(out, ref)
-        rec = wrapper._kvverify
+        rec = wrapper.__dict__.get("_kvverify", {})
         problems = []
         if guard_hits:
             problems.append("full-pool cast not removed: " + "; ".join(guard_hits))
@@ -197,19 +199,8 @@ class FileVerifier:
         try:
             w, gb, fb_cap = self._graph_side(self.pat, shape, cap)
             q_nope, q_pe = cap.q_nope.clone(), cap.q_pe.clone()
-            fwd = partial(self.pat.forward, True, w, cap, fb_cap, q_nope, q_pe)
-            if self.capture:
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(2):  # SGLang warms up before capture
-                        fwd()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    static_out = fwd()
-            else:
-                fwd()
+            replay = self.capture_forward(
+                partial(self.pat.forward, True, w, cap, fb_cap, q_nope, q_pe))
         except Exception as exc:
             for c in cases:
                 self.fail_exc(c, exc, None, what="capture-time plan/capture")
@@ -228,12 +219,7 @@ class FileVerifier:
                 q_nope.copy_(batch.q_nope)
                 q_pe.copy_(batch.q_pe)
                 self.rt.poison_shadows()
-                if self.capture:
-                    g.replay()
-                    torch.cuda.synchronize()
-                    out = static_out.clone()
-                else:
-                    out = fwd().clone()
+                out = replay()
             except Exception as exc:
                 self.fail_exc(c, exc, w, what="replay")
                 self._maybe_incompatible([c], exc, shape, cap, batch)
@@ -241,6 +227,28 @@ class FileVerifier:
             self.judge(c, out, ref, w, [], mode)
             if not c.message:
                 c.message = f"replay via {via}"
+
+    def capture_forward(self, fwd):
+        """Capture fwd() in a CUDA graph (CUDA + FlashInfer), else run it once; returns
+        a function that replays it (or runs it again) and returns a copy of its output."""
+        if not self.capture:
+            fwd()
+            return lambda: fwd().clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # SGLang warms up before capture
+                fwd()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = fwd()
+
+        def replay():
+            g.replay()
+            torch.cuda.synchronize()
+            return static_out.clone()
+        return replay
 
     def _maybe_incompatible(self, cases, exc, shape, cap, batch):
         """A graph-path error the original shares (say, an old SGLang's

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -39,12 +39,24 @@ class PrefillShape:
     heads: int = 16
 
 
+@dataclass(frozen=True)
+class SpecShape:
+    """A speculative-decoding batch: target verify reads each request's prefix plus
+    its ``tokens`` draft tokens; draft extend appends ``tokens`` accepted tokens."""
+
+    bs: int
+    max_prefix: int
+    tokens: int = 4
+    heads: int = 16
+
+
 @dataclass
 class Shapes:
     pool_slots: int
     decode: List[DecodeShape]
     prefill: List[PrefillShape]
     seed: int = 0
+    spec: List[SpecShape] = field(default_factory=list)
 
 
 CPU_SHAPES = Shapes(
@@ -52,17 +64,20 @@ CPU_SHAPES = Shapes(
     decode=[DecodeShape(1, 37, 16), DecodeShape(3, 300, 16), DecodeShape(4, 257, 16)],
     prefill=[PrefillShape((100, 0), (20, 13), 16), PrefillShape((37,), (64,), 32),
              PrefillShape((250, 5, 1), (3, 40, 1), 64), PrefillShape((64, 17), (16, 9), 128)],
+    spec=[SpecShape(1, 40, 2, 16), SpecShape(3, 200, 4, 64)],
 )
 QUICK_SHAPES = Shapes(
     4096,
     decode=[DecodeShape(1, 37, 16), DecodeShape(3, 300, 16)],
     prefill=[PrefillShape((100, 0), (20, 13), 16), PrefillShape((64,), (16,), 128)],
+    spec=[SpecShape(2, 60, 4, 16)],
 )
 GPU_SHAPES = Shapes(
     65536,
     decode=[DecodeShape(1, 1024, 16), DecodeShape(8, 2048, 16), DecodeShape(16, 777, 128)],
     prefill=[PrefillShape((512, 0), (128, 77), 16), PrefillShape((300,), (64,), 32),
              PrefillShape((1000, 3), (31, 200), 64), PrefillShape((256, 128), (64, 64), 128)],
+    spec=[SpecShape(8, 1024, 4, 16), SpecShape(16, 512, 8, 128)],
 )
 # gpu/verify_real.py: production-sized pool and batches.
 BIG_SHAPES = Shapes(
@@ -70,6 +85,7 @@ BIG_SHAPES = Shapes(
     decode=[DecodeShape(1, 4096, 16), DecodeShape(32, 4096, 16), DecodeShape(128, 2048, 16),
             DecodeShape(32, 4096, 128)],
     prefill=[PrefillShape((1024, 1024), (256, 256), h) for h in (16, 32, 64, 128)],
+    spec=[SpecShape(32, 4096, 4, 16), SpecShape(32, 2048, 8, 128)],
 )
 
 
@@ -117,10 +133,11 @@ class World:
         self.device = device
         self.slots = shapes.pool_slots
         self.gen = torch.Generator(device=device).manual_seed(shapes.seed)
-        lens = [s.max_len for s in shapes.decode] + [p + e for s in shapes.prefill
-                                                     for p, e in zip(s.prefix, s.extend)]
+        lens = ([s.max_len for s in shapes.decode]
+                + [p + e for s in shapes.prefill for p, e in zip(s.prefix, s.extend)]
+                + [s.max_prefix + s.tokens for s in shapes.spec])
         self.max_ctx = max(lens + [1]) + 8
-        self.max_reqs = 2 * max([s.bs for s in shapes.decode]
+        self.max_reqs = 2 * max([s.bs for s in shapes.decode + shapes.spec]
                                 + [len(s.prefix) for s in shapes.prefill] + [1]) + 2
         vals = torch.randn((self.slots, 1, HEAD_DIM), generator=self.gen, device=device)
         # FP8 values in SGLang's uint8 storage; all finite, so any NaN in an
