@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 from kvpatch.cli import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from test_releases import FI_MLA_IN_PACKAGE, RELEASES, RELEASES_ENV, _release_root  # noqa: E402
+from test_verify_cpu import SHIFTED, STALE, _wrap_runtime  # noqa: E402
 
 LOCAL_RELEASES = Path("/work/cache/releases")
 
@@ -84,3 +85,73 @@ def test_release_verifies(tmp_path_factory, monkeypatch, version):
     assert not r.failures and not r.errors
     # What did not run says why, and is never counted as passed.
     assert all(c.message for c in r.skipped)
+
+
+# --- sabotage on 0.5.23, the release with every speculative path ------------------------
+
+
+SPEC_RELEASE = "0.5.23"
+
+INDPTR_BUF = _wrap_runtime('''
+def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):
+    # Sabotage (the count kvpatch used before plan_rows): rows counted from the wrapper's
+    # own indptr buffer, which the DFLASH verify replay (fast_mla_decode_plan) never refreshes.
+    wrapper.__dict__[_COUNT_ATTR] = wrapper._kv_indptr_buf[-1:].to(torch.int64)
+    return _kvverify_real(kv_buffer, wrapper, q_dtype, kv_indptr)
+''')
+
+# The DFLASH replay's plan call, as kvpatch routes it and as a rewrite that missed it.
+DFLASH_ROUTED = '_kvpatch_rt.plan_rows(wrapper_paged, fast_verify_plan_kwargs["kv_indptr_cpu"])'
+DFLASH_MISSED = 'fast_verify_plan_kwargs["kv_indptr_cpu"]'
+
+
+def sabotaged(tmp_path_factory, monkeypatch, runtime_text=None, backend_edit=None):
+    root = patched_release(SPEC_RELEASE, tmp_path_factory, monkeypatch, runtime_text)
+    if backend_edit is not None:
+        f = root / "sglang" / FI_MLA_IN_PACKAGE
+        old, new = backend_edit
+        text = f.read_text()
+        assert text.count(old) == 1, f"{old!r} not once in the patched {SPEC_RELEASE}"
+        f.write_text(text.replace(old, new))
+    r = run_verify(root, modes=("gather",), device="cpu", quick=True)
+    assert not r.ok and not r.errors, r.format()
+    return r
+
+
+def failed_routes(r):
+    return {(c.route, c.exec, c.batch.split("replay ")[-1].split()[0] if "replay " in c.batch
+             else "") for c in r.failures}
+
+
+@pytest.mark.real_sglang
+def test_catches_count_from_the_wrapper_indptr_buffer(tmp_path_factory, monkeypatch):
+    """Issue 8's bug: on 0.5.23's DFLASH verify replay the wrapper's indptr buffer
+    keeps the capture-time count, so a longer batch reads rows nobody gathered."""
+    r = sabotaged(tmp_path_factory, monkeypatch, runtime_text=INDPTR_BUF)
+    assert ("target_verify:dflash", "replay", "longer") in failed_routes(r), r.format()
+    # fast_mla_prefill_plan (EAGLE/MTP) refreshes that buffer: those replays stay right.
+    assert all(c.passed for c in r.cases if c.route == "target_verify:eagle")
+    assert all("NaN: a row the kernel reads was not gathered" in c.message
+               for c in r.failures if c.route == "target_verify:dflash")
+
+
+@pytest.mark.real_sglang
+def test_catches_a_missed_dflash_plan_call(tmp_path_factory, monkeypatch):
+    r = sabotaged(tmp_path_factory, monkeypatch, backend_edit=(DFLASH_ROUTED, DFLASH_MISSED))
+    assert failed_routes(r) == {("target_verify:dflash", "replay", "longer")}, r.format()
+
+
+@pytest.mark.real_sglang
+def test_catches_stale_count_on_every_graph_path(tmp_path_factory, monkeypatch):
+    r = sabotaged(tmp_path_factory, monkeypatch, runtime_text=STALE)
+    assert failed_routes(r) == {("decode", "replay", "longer"),
+                                ("target_verify:eagle", "replay", "longer"),
+                                ("target_verify:dflash", "replay", "longer")}, r.format()
+
+
+@pytest.mark.real_sglang
+def test_catches_wrong_rows_on_the_speculative_paths(tmp_path_factory, monkeypatch):
+    r = sabotaged(tmp_path_factory, monkeypatch, runtime_text=SHIFTED)
+    routes = {(route, exec_) for route, exec_, _ in failed_routes(r)}
+    assert {("target_verify:eagle", "eager"), ("target_verify:eagle", "replay"),
+            ("target_verify:dflash", "replay"), ("draft_extend:eagle", "eager")} <= routes
