@@ -180,6 +180,16 @@ def rollback(root: Path) -> List[str]:
     return restored
 
 
+def clear_stale(root: Path) -> bool:
+    """Remove the scratch a write killed after its journal went leaves behind
+    (.kvpatch/txn/); True if there was some. Only without a journal."""
+    txn = root / STATE_DIR / TXN_DIR
+    if pending(root) is not None or not (txn.exists() or is_link(txn)):
+        return False
+    _cleanup(root)
+    return True
+
+
 def _remove_dirs(root: Path, dirs: List[str]) -> None:
     """Remove the (now empty) directories a write made, deepest first."""
     for extra in sorted(set(dirs), key=lambda d: d.count("/"), reverse=True):
@@ -190,14 +200,18 @@ def _remove_dirs(root: Path, dirs: List[str]) -> None:
 
 
 def _cleanup(root: Path) -> None:
+    # The journal goes first: removing it is the commit point. A kill while the
+    # backups are being removed must not leave a journal whose backups are half
+    # gone (recover would then restore some files and not others); a txn/ left
+    # without its journal is stale, and the next write clears it.
+    jp = journal_path(root)
+    for j in (jp, tmp_path(jp)):  # the temp file: a journal write cut short
+        remove_stale(j)
     txn = root / STATE_DIR / TXN_DIR
     if is_link(txn):
         txn.unlink()  # the link only: never what it points to
     elif txn.exists():
         shutil.rmtree(txn, ignore_errors=True)
-    jp = journal_path(root)
-    for j in (jp, tmp_path(jp)):  # the temp file: a journal write cut short
-        remove_stale(j)
     sd = root / STATE_DIR
     if sd.exists() and not any(sd.iterdir()):
         sd.rmdir()

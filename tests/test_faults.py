@@ -24,11 +24,13 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXAMPLE, git
+from kvpatch import gittxn, write
+from kvpatch import patch as P
 from kvpatch.cli import main
 from kvpatch.gittxn import BRANCH_PREFIX, HEADS
 from kvpatch.state import STATE_DIR, STATE_FILE
 from kvpatch.state import JOURNAL_FILE
-from kvpatch.write import CRASH_ENV, GIT_KEY
+from kvpatch.write import CRASH_ENV, GIT_KEY, TXN_DIR
 
 INTERRUPTED = "interrupted"
 # Git hooks run inside the commit step: one that kills the command's process
@@ -36,7 +38,10 @@ INTERRUPTED = "interrupted"
 GIT_KILL_POINTS = ["pre-commit", "post-commit"]
 KILL_HOOK = f"#!{sys.executable}\nimport os, signal\nos.killpg(os.getpgrp(), signal.SIGKILL)\n"
 RANDOM_KILLS = 6
+RANDOM_SIGNALS = 3
 STATE_REL = f"{STATE_DIR}/{STATE_FILE}"
+# A write killed after its journal went (done) can leave its backups here.
+SCRATCH = f"{STATE_DIR}/{TXN_DIR}"
 STAMPED = "state.json (stamped with the time of the run)"
 
 
@@ -119,13 +124,18 @@ def after_kill(root: Path, before: tuple, after: tuple, where: str) -> str:
         return state
     got = whole(root)
     assert got == before or _shape(got) == _shape(after), (where, state)
+    if any(k.startswith(SCRATCH) for k in got[0]):  # killed after its journal went: recover clears the rest
+        assert run("recover", root).exit_code == 0
+        assert _shape(whole(root)) == _shape(got) and not any(k.startswith(SCRATCH) for k in whole(root)[0])
     return state
 
 
 def _shape(w: tuple) -> tuple:
     """A finished run, less what differs from run to run: the time in state.json, commit shas."""
     fs, g = w
-    fs = {k: (STAMPED if k == STATE_REL else v) for k, v in fs.items()}
+    fs = {k: (STAMPED if k == STATE_REL else v) for k, v in fs.items() if not k.startswith(SCRATCH)}
+    if STATE_DIR in fs and not any(k.startswith(STATE_DIR + "/") for k in fs):
+        del fs[STATE_DIR]  # it only held the scratch
     if not g:
         return fs, g
     return fs, (_branch(g["HEAD"]), [_branch(r.split()[0]) for r in g["refs"].splitlines()],
@@ -218,6 +228,23 @@ def test_kill_at_a_random_instant(tmp_path, outcomes, cmd, with_git, seed):
     after_kill(root, before, after_ref, f"{cmd} killed at random (seed {seed})")
 
 
+
+@pytest.mark.parametrize("seed", range(RANDOM_SIGNALS))
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("cmd", ["apply", "revert"])
+def test_ctrl_c_or_sigterm_at_a_random_instant_rolls_back_in_process(tmp_path, outcomes, cmd, sig, seed):
+    """To the whole process group, as Ctrl-C sends it (git and its hooks included):
+    the command undoes itself, files and git, and leaves no journal."""
+    _, after_ref, wall = outcomes[cmd, True]
+    root = prepare(tmp_path, "s", cmd, True)
+    before = whole(root)
+    p = start(cmd, root)
+    time.sleep(random.Random(f"{cmd}{sig}{seed}").uniform(0.4 * wall, 1.1 * wall))
+    os.killpg(p.pid, sig)
+    _, err = p.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    assert after_kill(root, before, after_ref, f"{cmd} sent {sig.name} (seed {seed})") != INTERRUPTED
+
 # --- a journal's git record is untrusted too -------------------------------------------------
 
 BAD_GIT_RECORDS = {
@@ -269,3 +296,64 @@ def test_a_well_formed_git_record_moves_no_user_branch_or_head(tmp_path):
     r = run("recover", root)
     assert r.exit_code == 0, r.output
     assert whole(root)[1] == before[1]
+
+
+# --- the last and the first instants: cleaning up, and recover itself ---------------------
+
+class _Killed(BaseException):
+    """Stands for a kill -9 in-process: nothing after it runs, no handler undoes anything."""
+
+
+@pytest.mark.parametrize("cmd", ["apply", "revert"])
+def test_a_kill_while_cleaning_up_never_leaves_a_journal_without_its_backups(tmp_path, outcomes, monkeypatch, cmd):
+    root = prepare(tmp_path, "t", cmd, True)
+    before = whole(root)
+
+    def half_rmtree(path, *args, **kwargs):  # one backup removed, then the process dies
+        victim = next((p for p in sorted(Path(path).iterdir()) if p.is_file()), None)
+        if victim is not None:
+            victim.unlink()
+        raise _Killed
+
+    monkeypatch.setattr(write.shutil, "rmtree", half_rmtree)
+    with pytest.raises(_Killed):
+        getattr(P, cmd)(root)
+    monkeypatch.undo()
+    assert after_kill(root, before, outcomes[cmd, True][1], f"{cmd} killed while removing its backups") != \
+        INTERRUPTED  # everything was in place: the write is done, whatever scratch is left
+
+
+@pytest.mark.parametrize("cmd", ["apply", "revert"])
+def test_recover_killed_at_each_of_its_steps_recovers_when_run_again(tmp_path, monkeypatch, cmd):
+    """Every file restore, scratch removal and git command of recover is a kill point."""
+    k = 0
+    while True:
+        root = prepare(tmp_path, f"k{k}", cmd, True)
+        before = whole(root)
+        p = start(cmd, root, {CRASH_ENV: "2"})
+        assert p.wait(timeout=120) == 137
+        calls = {"n": 0}
+
+        def dying(real):
+            def step(*args, **kwargs):
+                if calls["n"] == k:
+                    raise _Killed
+                calls["n"] += 1
+                return real(*args, **kwargs)
+            return step
+
+        for mod, name in ((write, "write_replace"), (write, "remove_stale"), (gittxn, "_git")):
+            monkeypatch.setattr(mod, name, dying(getattr(mod, name)))
+        died = False
+        try:
+            run("recover", root)
+        except _Killed:  # BaseException: CliRunner lets it through, as a kill would end the process
+            died = True
+        finally:
+            monkeypatch.undo()
+        assert run("recover", root).exit_code == 0
+        assert whole(root) == before, f"{cmd}: recover killed at its step {k}, then run again"
+        if not died:
+            break
+        k += 1
+    assert k >= 3  # restores, scratch removals and git commands were all kill points
