@@ -368,3 +368,27 @@ def test_null_stub_and_kv_indices_kernel():
     KvIndicesKernel()[(2,)](r2t, torch.tensor([2, 0]), torch.tensor([3, 5]),
                             torch.tensor([0, 3, 8], dtype=torch.int32), None, out, 10)
     assert out.tolist() == [120, 121, 122, 100, 101, 102, 103, 104, -1]
+
+
+def test_speculative_fakes_read_the_request_rows():
+    """The fakes both sides plan through: verify reads prefix + draft tokens, written in
+    place into a graph's buffer when given one; draft extend reads the whole sequence."""
+    from kvpatch.verify.fakes import EagleDraftInput, EagleVerifyInput, KVLocPlan, Translator
+    r2t = torch.arange(40, dtype=torch.int32).view(4, 10) + 100
+    rows, prefix = torch.tensor([2, 0]), torch.tensor([3, 1])
+    spec = EagleVerifyInput(r2t, 2, dflash=True)
+    buf = torch.full((9,), -1, dtype=torch.int32)
+    idx, indptr, qo, mask = spec.generate_attn_arg_prefill(
+        req_pool_indices=rows, paged_kernel_lens=prefix, paged_kernel_lens_sum=4,
+        translator=Translator(r2t), plan=KVLocPlan(), kv_indices_buf=buf)
+    assert idx is buf and buf.tolist() == [120, 121, 122, 123, 124, 100, 101, 102, -1]
+    assert indptr.tolist() == [0, 5, 8] and qo.tolist() == [0, 2, 4] and mask is None
+    assert spec.calls == ["generate_attn_arg_prefill(kv_indices_buf=)"]
+    draft = EagleDraftInput(r2t, 2, 2, "cpu")
+    idx, indptr, qo, _ = draft.generate_attn_arg_prefill(rows, torch.tensor([4, 2]), 6, r2t)
+    assert idx.tolist() == [120, 121, 122, 123, 100, 101] and qo.tolist() == [0, 2, 4]
+    out = torch.zeros(3, dtype=torch.int32)
+    assert Translator(r2t).pack_read_stream(
+        KVLocPlan(), req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([3]),
+        indptr=torch.tensor([0, 3], dtype=torch.int32), out=out) is False
+    assert out.tolist() == [110, 111, 112]
