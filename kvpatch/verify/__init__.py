@@ -20,8 +20,9 @@ def run_verify(root: Path, *, modes: Iterable[str] = ("gather", "native"), devic
 
     modes: subset of "gather", "native" (and "auto": whatever the runtime picks).
     device: "auto" (CUDA when present, else the CPU reference path), "cuda" or "cpu".
-    graph: also run decode through the CUDA-graph replay path (captured on CUDA
-    with real FlashInfer; replayed eagerly otherwise).
+    graph: also run the CUDA-graph paths the release has (decode; target verify,
+    EAGLE/MTP and DFLASH; draft extend) through its replay entry points (captured on
+    CUDA with real FlashInfer; replayed eagerly otherwise).
     quick: fewer batch shapes. shapes: a ``harness.Shapes`` overriding the defaults.
     log: called with one progress line at a time.
     """

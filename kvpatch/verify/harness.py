@@ -3,8 +3,9 @@
 For every target file: load the original and the patched module in the import
 sandbox, build one random FP8 KV pool (uint8 storage viewed as float8_e4m3fn,
 [slots, 1, 576]) shared by both, and for several batch shapes with scattered
-slots run ``forward_decode`` (eager, and through the CUDA-graph replay path)
-and the paged ``forward_extend`` (causal, with prefixes) of both. Gathered
+slots run ``forward_decode`` (eager, and through the CUDA-graph replay path),
+the paged ``forward_extend`` (causal, with prefixes) and the speculative paths
+of ``spec`` (target verify and draft extend, eager and graph) of both. Gathered
 casts must be bit-identical to the original; native FP8 must be within
 NATIVE_ATOL/NATIVE_RTOL. Eager patched runs are watched by ``FullPoolGuard``
 (a full-pool copy of the pool is a failure even when outputs match), and the
@@ -12,7 +13,8 @@ runtime's shadow buffers are poisoned before every measured patched run.
 
 Modules: world (shapes, pool, request table), side (one loaded module and its
 backend), judge (full-pool cast detector, comparison), verifier (the cases of
-one file), this one (the entry point). Version-specific knowledge is confined
+one file), spec (its speculative-decoding cases), fakes (torch versions of the
+SGLang objects the indices come from), this one (the entry point). Version-specific knowledge is confined
 to the attribute tables of ``side`` (the superset of what the forward/plan
 paths of the SGLang versions read), the fakes of ``stubs.REAL`` and the entry
 point names of ``verifier``; calls go through ``call_bound``, which passes each
