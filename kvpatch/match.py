@@ -18,8 +18,8 @@ import libcst as cst
 
 from kvpatch.dataflow import Definition, FunctionFlow, analyze
 from kvpatch.locate import ClassFacts, ModuleFacts, Unit
-from kvpatch.tensorops import (GATHER_METHODS, TUPLE_VIEWS, VIEW_METHODS, device_like, gathers_rows,
-                               int_subscript, whole_rows)
+from kvpatch.tensorops import (GATHER_METHODS, TUPLE_VIEWS, VIEW_FUNCTIONS, VIEW_METHODS, device_like,
+                               gathers_rows, int_subscript, whole_rows)
 from kvpatch.units import ParsedUnit
 
 POOL_GETTERS = {"get_key_buffer", "get_value_buffer"}
@@ -66,6 +66,7 @@ class Consumer:
     arg_index: Optional[int] = None
     keyword: Optional[str] = None
     via: List[str] = field(default_factory=list)  # names the value flowed through
+    views: List[cst.Call] = field(default_factory=list)  # the view/reshape calls on the way
 
 
 @dataclass
@@ -246,13 +247,13 @@ class UnitContext:
 
     # -- consumers -------------------------------------------------------
     def consumers(self, expr: cst.CSTNode, _seen: Optional[Set[int]] = None,
-                  via: Tuple[str, ...] = ()) -> List[Consumer]:
+                  via: Tuple[str, ...] = (), views: Tuple[cst.Call, ...] = ()) -> List[Consumer]:
         seen = _seen if _seen is not None else set()
         node = expr
         while True:
             par = self.parents.get(node)
             if par is None:
-                return [Consumer("unknown", node, via=list(via))]
+                return [Consumer("unknown", node, via=list(via), views=list(views))]
             if isinstance(par, cst.Subscript) and par.value is node:
                 node = par
                 continue
@@ -260,33 +261,39 @@ class UnitContext:
                 call = self.parents.get(par)
                 if isinstance(call, cst.Call) and call.func is par:
                     if par.attr.value in VIEW_METHODS:
+                        views = views + (call,)
                         node = call
                         continue
-                    return [Consumer("method", par, call=call, via=list(via))]
+                    return [Consumer("method", par, call=call, via=list(via), views=list(views))]
                 return []  # .shape, .dtype, .device: metadata, not data
             if isinstance(par, cst.Arg):
                 call = self.parents.get(par)
                 if isinstance(call, cst.Call):
                     pos = [a for a in call.args if a.keyword is None]
                     idx = pos.index(par) if par in pos else None
+                    if idx == 0 and isinstance(call.func, cst.Name) and call.func.value in VIEW_FUNCTIONS:
+                        views = views + (call,)
+                        node = call
+                        continue
                     kw = par.keyword.value if par.keyword is not None else None
-                    return [Consumer("call", call, call=call, arg_index=idx, keyword=kw, via=list(via))]
+                    return [Consumer("call", call, call=call, arg_index=idx, keyword=kw, via=list(via),
+                                     views=list(views))]
                 return [Consumer("unknown", par, via=list(via))]
             if isinstance(par, (cst.Element, cst.Tuple, cst.List)):
                 # A tuple on the right of an unpacking assignment: follow the target.
                 node = par
                 continue
             if isinstance(par, cst.Assign) and par.value is node:
-                return self._consumers_of_assign(par, expr, seen, via)
+                return self._consumers_of_assign(par, expr, seen, via, views)
             if isinstance(par, cst.AnnAssign) and par.value is node:
-                return self._consumers_of_assign(par, expr, seen, via)
+                return self._consumers_of_assign(par, expr, seen, via, views)
             if isinstance(par, cst.Return):
                 return [Consumer("return", par, via=list(via))]
             if isinstance(par, (cst.Yield,)):
                 return [Consumer("yield", par, via=list(via))]
             return [Consumer("unknown", par, via=list(via))]
 
-    def _consumers_of_assign(self, stmt, expr, seen, via) -> List[Consumer]:
+    def _consumers_of_assign(self, stmt, expr, seen, via, views=()) -> List[Consumer]:
         targets = [t.target for t in stmt.targets] if isinstance(stmt, cst.Assign) else [stmt.target]
         out: List[Consumer] = []
         for t in targets:
@@ -299,7 +306,7 @@ class UnitContext:
                         continue
                     seen.add(d.id)
                     for use in self.flow.uses_of(d):
-                        out += self.consumers(use, seen, via + (d.name,))
+                        out += self.consumers(use, seen, via + (d.name,), views)
         return out
 
 

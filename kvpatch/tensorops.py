@@ -19,6 +19,11 @@ TUPLE_VIEWS = {"split", "chunk", "unbind"}
 VIEW_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
                 "contiguous", "permute", "transpose", "narrow", "expand", "as_strided",
                 "t", "detach", "select"} | TUPLE_VIEWS
+# Functions that return a view of their first argument: SGLang's page layout helper,
+# `paged_view(flat, page_size)` ([slots, ...] -> [slots // page_size, page_size, ...]).
+VIEW_FUNCTIONS = {"paged_view"}
+# Keywords through which a kernel takes a page table (pages of page_size slots).
+PAGED_KEYWORDS = ("page_table", "block_table", "block_tables", "page_table_tensor")
 GATHER_METHODS = {"index_select", "gather", "take", "masked_select", "take_along_dim"}
 # index_select(dim, index) gathers rows only along dim 0; along another literal dim
 # every row of the pool is kept (a column selection), which is still a pool cast.

@@ -22,6 +22,7 @@ from kvpatch.codegen import (IMPORT_LINE, RUNTIME_ALIAS, append_star_kwargs, cal
                              has_star_kwargs_call, moved_code, parse_expr)
 from kvpatch.dataflow import loads_in
 from kvpatch.match import UnitContext, _contains, consumer_names, is_mla_run
+from kvpatch.stable import differs_at
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid
 from kvpatch.sites import HOT, UNSUPPORTED
 from kvpatch.units import leading_ws
@@ -388,17 +389,8 @@ class B:
     @staticmethod
     def _wrapper_not_ready(w_node, runs, cand: CastCandidate, ctx: UnitContext) -> str:
         """The wrapper expression must mean the same at the cast as at run()."""
-        cast_stmt = ctx.statement_of(cand.call)
-        for name in loads_in(w_node):
-            at_run = set(d.id for d in ctx.flow.defs_of(name))
-            at_cast = set(d.id for d in ctx.flow.defs_at(cast_stmt, name.value))
-            if not at_cast:
-                bound = [d for d in ctx.flow.defs if d.name == name.value and d.stmt is not None]
-                where = f" (line {ctx.line(bound[0].stmt)})" if bound else ""
-                return f"the wrapper `{ctx.code(w_node)}` is bound after the cast{where}"
-            if at_run != at_cast:
-                return f"`{name.value}` is rebound between the cast and `{ctx.code(w_node)}.run()`"
-        return ""
+        problem = differs_at(ctx, w_node, cand.call, f"`{ctx.code(w_node)}.run()`")
+        return problem.replace(f"`{ctx.code(w_node)}` is bound after", f"the wrapper `{ctx.code(w_node)}` is bound after")
 
     @staticmethod
     def _sibling_notes(runs, cand: CastCandidate, ctx: UnitContext) -> List[str]:

@@ -15,10 +15,9 @@ import libcst as cst
 
 from kvpatch.candidates import CastCandidate
 from kvpatch.match import Consumer, UnitContext, consumer_names, describe, is_mla_run
+from kvpatch.tensorops import PAGED_KEYWORDS
 from kvpatch.rule import Decision, Invalid, Rule, Upstream, Valid
 from kvpatch.sites import FIXED_UPSTREAM, GATHERED, HOT, UNSUPPORTED
-
-PAGED_KEYWORDS = ("page_table", "block_table", "block_tables", "page_table_tensor")
 
 
 def paged_keyword(c: Consumer) -> str:

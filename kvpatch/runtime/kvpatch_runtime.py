@@ -25,8 +25,10 @@ __all__ = [
     "plan_kv_dtype",
     "plan_rows",
     "kv_for_kernel",
+    "kv_pages_for_kernel",
     "run_kwargs",
     "gather_cast",
+    "page_cast",
     "reset",
     "poison_shadows",
     "TUNING",
@@ -48,7 +50,8 @@ _mode = None  # resolved mode
 _shadows = {}  # (device, shape, dtype) -> persistent shadow buffer
 _warned = set()
 _probe_cache = {}
-_kernel = None  # jitted Triton kernel, built on first CUDA use
+_kernel = None  # jitted Triton kernels, built on first CUDA use
+_page_kernel = None
 _triton_failed = set()  # launch keys whose compile failed (auto falls back to torch)
 
 
@@ -475,9 +478,7 @@ def _triton_ok(src2, dst2, idx, indptr, indptr2, rpi, backend):
 def _launch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi, cfg):
     kernel = _get_kernel()
     n_rows, row_len = src2.shape
-    main_d = 1 << (row_len.bit_length() - 1)  # 576 -> 512 + a 64-wide tail
-    rest = row_len - main_d
-    tail_d = 1 << (rest - 1).bit_length() if rest else 0
+    main_d, tail_d = _row_split(row_len)
     br = cfg["block_rows"]
     # Persistent grid: sized on the host from the buffer length (fixed under CUDA
     # graphs); the kernel loops over however many rows the device says are valid.
@@ -494,13 +495,18 @@ def _launch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi, cfg):
 def _gather_cast_torch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi):
     # No .item(): valid entries are masked on the device, so this is also graph-safe.
     units = src2.shape[0] // rpi
-    d = src2.shape[1]
-    src_u = src2[: units * rpi].view(units, rpi, d)
-    dst_u = dst2[: units * rpi].view(units, rpi, d)
     n = torch.maximum(indptr[pos1], indptr2[pos2]).clamp(0, idx.numel())
     pos = torch.arange(idx.numel(), device=idx.device)
     i = idx.long()
-    valid = (pos < n) & (i >= 0) & (i < units)
+    _cast_units_torch(src2, dst2, i, (pos < n) & (i >= 0) & (i < units), rpi)
+
+
+def _cast_units_torch(src2, dst2, i, valid, rpi):
+    """dst unit u = src unit u cast, for every u = i[k] with valid[k] (units of rpi rows)."""
+    units = src2.shape[0] // rpi
+    d = src2.shape[1]
+    src_u = src2[: units * rpi].view(units, rpi, d)
+    dst_u = dst2[: units * rpi].view(units, rpi, d)
     # Invalid entries are redirected to the first valid row, which is written with the
     # same value; if none is valid they rewrite a row with its own old value. Either
     # way duplicates in index_copy_ agree, so the result is deterministic.
@@ -512,18 +518,47 @@ def _gather_cast_torch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi):
 
 
 def _get_kernel():
-    """Build the Triton kernel on first use; None when Triton is not importable."""
-    global _kernel, triton, tl
+    """The indices kernel, built on first use; None when Triton is not importable."""
+    _build_kernels()
+    return _kernel or None
+
+
+def _get_page_kernel():
+    _build_kernels()
+    return _page_kernel or None
+
+
+def _build_kernels():
+    # The helper and tl are module globals: Triton resolves names a kernel calls there.
+    global _kernel, _page_kernel, _cast_rows, triton, tl
     if _kernel is not None:
-        return _kernel or None
+        return
     try:
         import triton
         import triton.language as tl
     except Exception:
-        _kernel = False
-        return None
+        _kernel = _page_kernel = False
+        return
 
-    # Names used inside the kernel (tl) must be module globals for Triton's compiler.
+    @triton.jit
+    def _cast_rows(src, dst, row, ok, src_stride, dst_stride,
+                   D: tl.constexpr, MAIN_D: tl.constexpr, TAIL_D: tl.constexpr):
+        cols = tl.arange(0, MAIN_D)
+        s = src + row[:, None] * src_stride
+        d = dst + row[:, None] * dst_stride
+        m = ok[:, None]
+        # Both loads are issued before the stores so they overlap in flight.
+        x = tl.load(s + cols[None, :], mask=m)
+        if TAIL_D > 0:
+            tcols = MAIN_D + tl.arange(0, TAIL_D)
+            tm = m
+            if MAIN_D + TAIL_D > D:  # a column mask only when the tail is ragged
+                tm = m & (tcols[None, :] < D)
+            t = tl.load(s + tcols[None, :], mask=tm)
+        tl.store(d + cols[None, :], x.to(dst.dtype.element_ty), mask=m)
+        if TAIL_D > 0:
+            tl.store(d + tcols[None, :], t.to(dst.dtype.element_ty), mask=tm)
+
     @triton.jit(do_not_specialize=["pos1", "pos2", "n_idx", "n_units"])
     def _gather_cast_kernel(
         src, dst, idx_ptr, ip1, pos1, ip2, pos2, n_idx, n_units, src_stride, dst_stride,
@@ -535,30 +570,168 @@ def _get_kernel():
         n = tl.minimum(tl.maximum(n, 0), n_idx).to(tl.int32)  # host checks n_idx*RPI < 2**31
         total = n * RPI
         lanes = tl.arange(0, BLOCK_ROWS)
-        cols = tl.arange(0, MAIN_D)
         for blk in range(tl.program_id(0), tl.cdiv(total, BLOCK_ROWS), tl.num_programs(0)):
             w = blk * BLOCK_ROWS + lanes
             live = w < total
             unit = tl.load(idx_ptr + w // RPI, mask=live, other=-1).to(tl.int64)
             ok = live & (unit >= 0) & (unit < n_units)  # never touch rows out of range
-            row = unit * RPI + w % RPI
-            s = src + row[:, None] * src_stride
-            d = dst + row[:, None] * dst_stride
-            m = ok[:, None]
-            # Both loads are issued before the stores so they overlap in flight.
-            x = tl.load(s + cols[None, :], mask=m)
-            if TAIL_D > 0:
-                tcols = MAIN_D + tl.arange(0, TAIL_D)
-                tm = m
-                if MAIN_D + TAIL_D > D:  # a column mask only when the tail is ragged
-                    tm = m & (tcols[None, :] < D)
-                t = tl.load(s + tcols[None, :], mask=tm)
-            tl.store(d + cols[None, :], x.to(dst.dtype.element_ty), mask=m)
-            if TAIL_D > 0:
-                tl.store(d + tcols[None, :], t.to(dst.dtype.element_ty), mask=tm)
+            _cast_rows(src, dst, unit * RPI + w % RPI, ok, src_stride, dst_stride, D, MAIN_D, TAIL_D)
 
-    _kernel = _gather_cast_kernel
-    return _kernel
+    @triton.jit(do_not_specialize=["n_cols", "n_units", "pt_stride", "sl_stride"])
+    def _page_cast_kernel(
+        src, dst, pt_ptr, pt_stride, sl_ptr, sl_stride, n_cols, n_units, src_stride, dst_stride,
+        D: tl.constexpr, MAIN_D: tl.constexpr, TAIL_D: tl.constexpr,
+        PS: tl.constexpr, EVERY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    ):
+        # Program (b, c) casts request b's live pages, page_table[b, :ceil(seqlen/PS)],
+        # with C programs striding over them: work follows the live rows, not the
+        # table's width. Lengths come from device memory (graph replays rewrite them).
+        b = tl.program_id(0)
+        if EVERY:
+            n_pages = n_cols
+        else:
+            seqlen = tl.load(sl_ptr + b * sl_stride).to(tl.int32)
+            n_pages = tl.minimum(tl.maximum(tl.cdiv(seqlen, PS), 0), n_cols)
+        total = n_pages * PS
+        lanes = tl.arange(0, BLOCK_ROWS)
+        for blk in range(tl.program_id(1), tl.cdiv(total, BLOCK_ROWS), tl.num_programs(1)):
+            w = blk * BLOCK_ROWS + lanes
+            live = w < total
+            page = tl.load(pt_ptr + b.to(tl.int64) * pt_stride + w // PS, mask=live, other=-1).to(tl.int64)
+            ok = live & (page >= 0) & (page < n_units)  # never touch rows out of range
+            _cast_rows(src, dst, page * PS + w % PS, ok, src_stride, dst_stride, D, MAIN_D, TAIL_D)
+
+    _kernel, _page_kernel = _gather_cast_kernel, _page_cast_kernel
+
+
+def _row_split(row_len):
+    main_d = 1 << (row_len.bit_length() - 1)  # 576 -> 512 + a 64-wide tail
+    rest = row_len - main_d
+    return main_d, (1 << (rest - 1).bit_length() if rest else 0)
+
+
+# ---------------------------------------------------------------------------
+# Page tables: FA3/FA4, MUSA and XPU kernels read pages, not an indices list
+
+
+def _table_ok(kv_buffer, table):
+    if not (isinstance(table, tuple) and len(table) == 2):
+        return False
+    pt, sl = table
+    if not (isinstance(pt, torch.Tensor) and pt.dim() == 2 and pt.device == kv_buffer.device
+            and not pt.is_floating_point()):
+        return False
+    return sl is None or (isinstance(sl, torch.Tensor) and sl.dim() == 1 and sl.numel() >= pt.shape[0]
+                          and sl.device == kv_buffer.device and not sl.is_floating_point())
+
+
+def _resolve(table):
+    """A (page_table, cache_seqlens) pair, or a lambda giving one (read at the cast: a
+    call whose metadata is missing this step, say None.page_table, does not run)."""
+    if callable(table):
+        try:
+            return table()
+        except (AttributeError, TypeError, KeyError, IndexError):
+            return (None, None)
+    return table
+
+
+def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
+    """What a page-table kernel reads in place of kv_buffer.to(q_dtype).
+
+    tables: one (page_table, cache_seqlens) pair, or a lambda giving it, per kernel call
+    that reads the result (the cascade call and local-attention metadata add pairs); a
+    pair of Nones is a call that does not run this step, and cache_seqlens None means
+    every entry of the table (a call whose lengths are not known at the cast). Every page
+    page_table[b, :ceil(cache_seqlens[b] / page_size)] of every pair is cast into the
+    persistent shadow at the same slots; the rest of the shadow is never read by those
+    calls. Counts are read on the device.
+    """
+    if mode() == "off":
+        return kv_buffer.to(q_dtype)
+    if kv_buffer.dtype == q_dtype:
+        return kv_buffer
+    tables = [_resolve(t) for t in tables]
+    live = [t for t in tables if not (isinstance(t, tuple) and len(t) == 2 and t[0] is None)]
+    ps = int(page_size) if isinstance(page_size, int) and page_size >= 1 else None
+    if ps is None or not all(_table_ok(kv_buffer, t) for t in live) or _rows(kv_buffer) is None:
+        _warn_once(
+            ("pages", type(page_size).__name__, len(tables)),
+            "kvpatch: page tables or page size not usable (page_size=%r); casting the whole pool",
+            page_size,
+        )
+        return kv_buffer.to(q_dtype)
+    shadow = _shadow(kv_buffer, q_dtype)
+    for pt, sl in live:
+        page_cast(kv_buffer, shadow, pt, sl, ps)
+    return shadow
+
+
+def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", config=None):
+    """dst[r] = src[r].to(dst.dtype) for every slot r of every page the table reads.
+
+    Request b reads pages page_table[b, :ceil(seqlens[b] / page_size)] (every entry of
+    row b when seqlens is None); page p holds slots
+    p*page_size ... +page_size-1 of src viewed as [slots, slot_len] (see _rows). Pages out
+    of range are skipped; a page shared by two requests is cast once per reader, with the
+    same bytes. No host sync. Returns the path taken, "triton" or "torch".
+    """
+    if src.shape != dst.shape or src.device != dst.device:
+        raise ValueError("page_cast: src and dst need the same shape and device")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError("page_cast: backend must be auto, triton or torch")
+    ps = int(page_size)
+    src2, dst2 = _rows(src), _rows(dst)
+    if src2 is None or dst2 is None:
+        raise ValueError("page_cast: src/dst strides do not form [slots, slot_len] rows")
+    if page_table.numel() == 0 or src2.shape[0] < ps:
+        return "torch"
+    cfg = dict(TUNING, **(config or {}))
+    usable = ((src2.is_cuda or backend == "triton") and src2.stride(1) == 1 and dst2.stride(1) == 1
+              and page_table.stride(1) == 1 and page_table.shape[1] * ps < 2**31
+              and page_table.dtype in (torch.int32, torch.int64)
+              and (seqlens is None or seqlens.dtype in (torch.int32, torch.int64)))
+    if backend != "torch" and usable and _get_page_kernel() is not None:
+        key = ("pages", src.dtype, dst.dtype, ps, cfg["block_rows"], cfg["num_warps"])
+        if key not in _triton_failed:
+            try:
+                _launch_pages(src2, dst2, page_table, seqlens, ps, cfg)
+                return "triton"
+            except Exception as exc:
+                if backend == "triton":
+                    raise
+                _triton_failed.add(key)
+                _warn_once(("triton", key), "kvpatch: Triton page cast failed (%s); using torch", exc)
+    elif backend == "triton":
+        raise RuntimeError("page_cast: Triton path not available for these tensors")
+    units = src2.shape[0] // ps
+    rows, cols = page_table.shape
+    i = page_table.long().reshape(-1)
+    valid = (i >= 0) & (i < units)
+    if seqlens is not None:
+        n_pages = ((seqlens[:rows].long() + ps - 1) // ps).clamp(0, cols)
+        j = torch.arange(cols, device=page_table.device)
+        valid &= (j[None, :] < n_pages[:, None]).reshape(-1)
+    _cast_units_torch(src2, dst2, i, valid, ps)
+    return "torch"
+
+
+def _launch_pages(src2, dst2, pt, sl, ps, cfg):
+    kernel = _get_page_kernel()
+    n_rows, row_len = src2.shape
+    main_d, tail_d = _row_split(row_len)
+    br = cfg["block_rows"]
+    rows, cols = pt.shape
+    # Static grid (fixed under CUDA graphs): per request, enough programs to fill the
+    # chip, never more than its widest possible page run needs.
+    per_req = max(1, min(-(-_sm_count(src2.device) * cfg["programs_per_sm"] // max(rows, 1)),
+                         -(-(cols * ps) // br)))
+    every = sl is None  # no lengths: every entry of each row is read
+    kernel[(rows, per_req)](
+        src2, dst2, pt, pt.stride(0), pt if every else sl, 0 if every else sl.stride(0), cols, n_rows // ps,
+        src2.stride(0), dst2.stride(0),
+        D=row_len, MAIN_D=main_d, TAIL_D=tail_d, PS=ps, EVERY=every, BLOCK_ROWS=br, num_warps=cfg["num_warps"],
+    )
 
 
 # ---------------------------------------------------------------------------

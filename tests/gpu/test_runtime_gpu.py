@@ -383,3 +383,79 @@ def test_real_flashinfer_graph_replay_after_a_host_array_plan(rt, monkeypatch, s
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     print("sabotage", sabotage, "nan", bool(torch.isnan(out).any()), "rel err", rel)
     assert bad == sabotage
+
+
+# --------------------------------------------------------------------------- page tables (issue 7)
+
+
+def _page_slots(pt, sl, ps, units):
+    n = (sl.long() + ps - 1) // ps
+    live = torch.arange(pt.shape[1], device=DEV)[None, :] < n[:, None]
+    pages = pt.long()[live]
+    pages = pages[(pages >= 0) & (pages < units)]
+    return (pages[:, None] * ps + torch.arange(ps, device=DEV)[None, :]).reshape(-1)
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64, 128])
+def test_page_cast_triton_is_bit_identical_and_touches_nothing_else(rt, monkeypatch, ps):
+    def no_torch(*a, **k):
+        raise AssertionError("torch fallback used on CUDA")
+
+    monkeypatch.setattr(rt, "_cast_units_torch", no_torch)
+    units = 4096
+    kv = fp8_pool(units * ps, 1, 576, seed=30 + ps)
+    bs, width = 8, 300
+    g = torch.Generator(device=DEV).manual_seed(31)
+    pt = torch.randint(-2, units + 5, (bs, width), generator=g, device=DEV, dtype=torch.int32)
+    pt[1, :10] = pt[0, :10]  # shared prefix pages
+    sl = torch.randint(0, width * ps, (bs,), generator=g, device=DEV, dtype=torch.int32)
+    out = rt.kv_pages_for_kernel(kv, BF16, ps, (pt, sl))
+    rt.poison_shadows()
+    out = rt.kv_pages_for_kernel(kv, BF16, ps, (pt, sl))
+    slots = _page_slots(pt, sl, ps, units)
+    check_rows(out, kv, slots)
+
+
+@pytest.mark.parametrize("ps", [1, 64])
+def test_page_cast_graph_replay_follows_tables_rewritten_in_place(rt, monkeypatch, ps):
+    """FA3 under CUDA graphs: page_table and cache_seqlens are fixed buffers that SGLang
+    rewrites before each replay; the captured cast must follow them, with no host sync."""
+    def no_torch(*a, **k):
+        raise AssertionError("torch fallback used on CUDA")
+
+    monkeypatch.setattr(rt, "_cast_units_torch", no_torch)
+    units, bs, width = 8192, 4, 512
+    kv = fp8_pool(units * ps, 1, 576, seed=40 + ps)
+    pt = torch.zeros(bs, width, dtype=torch.int32, device=DEV)
+    sl = torch.ones(bs, dtype=torch.int32, device=DEV)
+    cascade_pt = torch.zeros(bs * 2, 4, dtype=torch.int32, device=DEV)
+    cascade_sl = torch.ones(bs * 2, dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(41)
+
+    def fill(lens):
+        pt.copy_(torch.randint(0, units, (bs, width), generator=g, device=DEV, dtype=torch.int32))
+        sl.copy_(torch.tensor(lens, dtype=torch.int32, device=DEV))
+        cascade_pt.copy_(torch.randint(0, units, cascade_pt.shape, generator=g, device=DEV, dtype=torch.int32))
+
+    fill([1] * bs)
+    step = lambda: rt.kv_pages_for_kernel(kv, BF16, ps, (pt, sl), (cascade_pt, cascade_sl))  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(), step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lens in ([1, 2, 3, 4], [width * ps] * bs, [0, 5 * ps + 1, 17, width * ps - 1]):
+        fill(lens)
+        rt.poison_shadows()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        slots = torch.cat([_page_slots(pt, sl, ps, units), _page_slots(cascade_pt, cascade_sl, ps, units)])
+        check_rows(out, kv, slots)

@@ -1,0 +1,421 @@
+"""KVP103 page-table-pool-cast: page-gathered cast for page-table kernels (FA3/FA4, MUSA).
+
+`kv_cache = pool.get_key_buffer(layer_id).to(q.dtype)`, viewed as pages and handed to
+`flash_attn_with_kvcache(k_cache=..., v_cache=..., page_table=PT, cache_seqlens=SL)`,
+casts every slot of the layer's pool, though the kernel reads only the pages
+`PT[b, :ceil(SL[b] / page_size)]`. The cast becomes
+
+    _kvpatch_rt.kv_pages_for_kernel(pool, q.dtype, page_size,
+                                    lambda: (PT1, SL1), lambda: (PT2, SL2), ...)
+
+with one (page_table, cache_seqlens) pair per consuming call, taken from that call's own
+arguments (the cascade call adds the spec-decode expand table), and page_size from the
+`.view(-1, page_size, ...)` that shapes the cast result into the kernel's pages.
+Each pair is a lambda: it is read at the cast, and a call that does not run this step
+(its metadata is None) contributes nothing, while a call that runs reads the same values
+at the cast as at the call (checked: no name rebound, no attribute path stored to in the
+function). Everything between the cast and the kernel stays as it is.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import libcst as cst
+
+from kvpatch.candidates import CastCandidate
+from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, call_text, comments_in, moved_code, parse_expr
+from kvpatch.match import Consumer, UnitContext, consumer_names
+from kvpatch.stable import differs_at, stored_in
+from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
+from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid
+from kvpatch.sites import FIXED_UPSTREAM, HOT, UNSUPPORTED
+from kvpatch.units import leading_ws
+
+SEQLENS_KEYWORD = "cache_seqlens"
+CACHE_KEYWORDS = ("k_cache", "v_cache")
+ABSORBED_KEYWORD = "qv"  # FA3's absorbed-MLA query half: the call reads the latent cache
+RT = IMPORT_LINE + "\n\n"  # what apply adds at the top of a file with no imports
+
+FA3_DECODE = '''
+class FlashAttentionBackend:
+    def forward_decode(self, q, k, v, layer, forward_batch, q_rope=None):
+        metadata = self.forward_metadata
+        use_cascade_attn = forward_batch.spec_info is not None
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        k_rope = kv_cache[:, :, layer.v_head_dim :]
+        c_kv = kv_cache[:, :, : layer.v_head_dim]
+        k_rope_cache = k_rope.view(-1, self.page_size, layer.tp_k_head_num, 64)
+        c_kv_cache = c_kv.view(-1, self.page_size, layer.tp_v_head_num, layer.v_head_dim)
+        result = flash_attn_with_kvcache(
+            q=q_rope, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
+            page_table=metadata.page_table, cache_seqlens=metadata.cache_seqlens_int32,
+        )
+        if use_cascade_attn:
+            o_expand = flash_attn_with_kvcache(
+                q=q_rope, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
+                page_table=self.forward_metadata_spec_decode_expand.page_table,
+                cache_seqlens=self.forward_metadata_spec_decode_expand.cache_seqlens_int32,
+            )
+        return result
+'''
+CP_EXTEND = '''
+class FlashAttentionBackend:
+    def forward_extend(self, q, layer, metadata):
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        k_rope_cache = kv_cache[:, :, 512:].view(-1, self.page_size, 1, 64)
+        c_kv_cache = kv_cache[:, :, :512].view(-1, self.page_size, 1, 512)
+
+        def attn(q_chunk, cache_seqlens_cp):
+            return flash_attn_with_kvcache(q=q_chunk, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q_chunk,
+                                           page_table=metadata.page_table, cache_seqlens=cache_seqlens_cp)
+
+        if self.cp_active:
+            return self.cp_strategy.run_attention(q, attn)
+        return flash_attn_with_kvcache(q=q, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
+                                       page_table=metadata.page_table, cache_seqlens=metadata.cache_seqlens_int32)
+'''
+FA3_PATCHED_CAST = '''        kv_cache = _kvpatch_rt.kv_pages_for_kernel(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            q.dtype,
+            self.page_size,
+            lambda: (metadata.page_table, metadata.cache_seqlens_int32),
+            lambda: (
+                self.forward_metadata_spec_decode_expand.page_table,
+                self.forward_metadata_spec_decode_expand.cache_seqlens_int32,
+            ),
+        )
+'''
+
+
+def _is_minus_one(e: cst.BaseExpression) -> bool:
+    return (isinstance(e, cst.UnaryOperation) and isinstance(e.operator, cst.Minus)
+            and isinstance(e.expression, cst.Integer) and e.expression.value == "1")
+
+
+def _page_dim(view: cst.Call) -> Optional[cst.BaseExpression]:
+    """The page size a view shapes the pool with: `x.view(-1, PS, ...)` or `paged_view(x, PS)`."""
+    pos = [a for a in view.args if a.keyword is None]
+    if isinstance(view.func, cst.Name) and view.func.value in VIEW_FUNCTIONS and len(pos) >= 2:
+        return pos[1].value
+    if isinstance(view.func, cst.Attribute) and len(pos) >= 2 and _is_minus_one(pos[0].value):
+        return pos[1].value
+    return None
+
+
+def _kw(call: cst.Call, name: str) -> Optional[cst.Arg]:
+    return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
+
+
+def paged_call(c: Consumer) -> bool:
+    """The cast reaches the kernel as its k_cache/v_cache, next to a page table and seqlens."""
+    return (c.kind == "call" and c.call is not None and c.keyword in CACHE_KEYWORDS
+            and any(_kw(c.call, k) for k in PAGED_KEYWORDS) and _kw(c.call, SEQLENS_KEYWORD) is not None)
+
+
+class PageTablePoolCast(Rule):
+    ID = "KVP103"
+    NAME = "page-table-pool-cast"
+    SUMMARY = "FA3/FA4/MUSA full-pool KV cast read through page_table -> page-gathered cast"
+    KIND = "cast"
+    PRIORITY = 20
+    EMITS = ("kv_pages_for_kernel",)
+    CHECKED_ON = ("sglang 4ad990ba7 (2026-08-06)", "sglang ea8f4e9f3 (2026-06-26)",
+                  "sglang c5251a98a (2026-05-21)", "sglang 0.5.16", "sglang 0.5.23")
+
+    VALID = (
+        Valid(
+            '''
+class FlashAttentionBackend:
+    def forward_decode(self, q, layer, metadata):
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        k_rope_cache = kv_cache[:, :, 512:].view(-1, self.page_size, 1, 64)
+        c_kv_cache = kv_cache[:, :, :512].view(-1, self.page_size, 1, 512)
+        return flash_attn_with_kvcache(q=q, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
+                                       page_table=metadata.page_table, cache_seqlens=metadata.cache_seqlens_int32,
+                                       k_descale=self.k_scale, v_descale=self.v_scale)
+''',
+            why="fixed upstream: the FP8 latent cache reaches the absorbed-MLA kernel uncast (it reads FP8 itself)",
+        ),
+        Valid(
+            '''
+class FlashAttentionBackend:
+    def forward_decode(self, q, layer, metadata):
+        kv_cache = dequantize_referenced_pages(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id), metadata.page_table,
+            metadata.cache_seqlens_int32, self.page_size, q.dtype)
+        k_rope_cache = kv_cache[:, :, 512:].view(-1, self.page_size, 1, 64)
+        c_kv_cache = kv_cache[:, :, :512].view(-1, self.page_size, 1, 512)
+        return flash_attn_with_kvcache(q=q, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
+                                       page_table=metadata.page_table, cache_seqlens=metadata.cache_seqlens_int32)
+''',
+            why="fixed upstream (the shape of sglang PR #36087): the pool goes, with the page table, to a "
+                "function that converts only the referenced pages",
+        ),
+    )
+
+    INVALID = (
+        Invalid(
+            FA3_DECODE.replace("k_rope.view(-1, self.page_size, layer.tp_k_head_num, 64)",
+                               "paged_view(k_rope, self.page_size)")
+                      .replace("c_kv.view(-1, self.page_size, layer.tp_v_head_num, layer.v_head_dim)",
+                               "paged_view(c_kv, self.page_size)"),
+            expected=RT + FA3_DECODE.replace("k_rope.view(-1, self.page_size, layer.tp_k_head_num, 64)",
+                                             "paged_view(k_rope, self.page_size)")
+                                    .replace("c_kv.view(-1, self.page_size, layer.tp_v_head_num, layer.v_head_dim)",
+                                             "paged_view(c_kv, self.page_size)").replace(
+                "        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)\n",
+                FA3_PATCHED_CAST),
+            status="hot",
+            why="SGLang 0.5.23 shapes the pages with `paged_view(x, page_size)` instead of `.view(-1, page_size, ...)`",
+        ),
+        Invalid(
+            FA3_DECODE,
+            expected=RT + FA3_DECODE.replace(
+                "        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)\n",
+                FA3_PATCHED_CAST),
+            status="hot",
+            why="FA3 absorbed-MLA decode (HEAD shape): the main call and the cascade call each give a table",
+        ),
+        Invalid(
+            FA3_DECODE.replace("        k_rope = kv_cache", "        metadata = self.other_metadata\n"
+                                                         "        k_rope = kv_cache"),
+            status="unsupported",
+            why="`metadata` is rebound between the cast and the kernel call: the table read at the cast "
+                "would not be the kernel's",
+        ),
+        Invalid(
+            FA3_DECODE.replace("self.page_size, layer.tp_k_head_num, 64)", "self.page_size_k, layer.tp_k_head_num, 64)"),
+            status="unsupported",
+            why="the two caches are viewed with different page sizes",
+        ),
+        Invalid(
+            CP_EXTEND,
+            expected=RT + CP_EXTEND.replace(
+                "        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)\n",
+                '''        kv_cache = _kvpatch_rt.kv_pages_for_kernel(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            q.dtype,
+            self.page_size,
+            lambda: (metadata.page_table, metadata.cache_seqlens_int32),
+            lambda: (metadata.page_table, None),
+        )
+'''),
+            status="hot",
+            why="SGLang 0.5.23's extend: a context-parallel closure reads the caches with its own seqlens, so its "
+                "table is cast whole (a superset); the direct call's table with its lengths",
+        ),
+        Invalid(
+            CP_EXTEND.replace("page_table=metadata.page_table, cache_seqlens=cache_seqlens_cp",
+                              "page_table=q_chunk.table, cache_seqlens=cache_seqlens_cp"),
+            status="unsupported",
+            why="the closure's page table is its own parameter's: not known at the cast",
+        ),
+    )
+
+    # -- recognise ----------------------------------------------------------
+    def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == self.EMITS[0] and len(call.args) >= 3:
+            return Patched(call, call.args[0].value, call.args[1].value,
+                           f"kvpatch's page-gathered cast ({self.EMITS[0]}) is in place")
+        return None
+
+    def fixed_upstream(self, call: cst.Call, ctx: UnitContext) -> Optional[Upstream]:
+        for c in ctx.consumers(call):
+            if c.kind != "call" or c.call is None:
+                continue
+            if paged_call(c) and _kw(c.call, ABSORBED_KEYWORD) is not None:
+                return Upstream(call, consumer_names([c], ctx),
+                                "no cast: the latent cache reaches the page-table kernel as stored (it reads the "
+                                "KV-cache dtype itself): nothing to rewrite")
+            if not paged_call(c) and any(ctx.code(a.value).endswith(PAGED_KEYWORDS) for a in c.call.args
+                                         if a.value is not call):
+                return Upstream(call, consumer_names([c], ctx),
+                                f"no cast: the pool goes, with the page table, to `{ctx.code(c.call.func)}`, which "
+                                f"converts only the referenced pages (an upstream fix): nothing to rewrite")
+        return None
+
+    # -- decide -------------------------------------------------------------
+    def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
+        paged = [c for c in cand.consumers if paged_call(c)]
+        if not paged:
+            return None  # not a page-table consumer: not this rule's
+        others = [c for c in cand.consumers if not paged_call(c)]
+        if others:
+            return Decision(UNSUPPORTED, f"the cast also reaches {consumer_names(others, ctx)}; only page-table "
+                                         f"kernels are known to read just the pages of their tables")
+        if cand.form.kind != "to" or not cand.form.simple:
+            return Decision(UNSUPPORTED, f"`{ctx.code(cand.call)}`: only `.to(dtype)` casts are rewritten")
+        nested = ctx.in_nested_scope(cand.call)
+        if nested:
+            return Decision(UNSUPPORTED, f"the cast sits inside {nested}")
+        names = {n for c in cand.consumers for n in c.via}
+        closure_pairs, problem = _closure_tables(ctx, names, cand)
+        if problem:
+            return Decision(UNSUPPORTED, problem)
+        for c in paged:
+            nested = ctx.in_nested_scope(c.call)
+            if nested:
+                return Decision(UNSUPPORTED, f"`{ctx.code(c.call.func)}` is called inside {nested}: its page table "
+                                             f"and seqlens are that scope's values (context parallel, say), not "
+                                             f"known at the cast")
+        ps, problem = self._page_size(paged, cand, ctx)
+        if problem:
+            return Decision(UNSUPPORTED, problem)
+        pairs, problem = self._tables(paged, cand, ctx)
+        if problem:
+            return Decision(UNSUPPORTED, problem)
+        pairs += [p for p in closure_pairs if p not in pairs]
+        edits = [ReplaceNode(ctx.unit.qualname, cand.call, self._builder(cand, ctx, ps, pairs)), NeedRuntime()]
+        return Decision(
+            HOT,
+            f"full-pool cast; {consumer_names(paged, ctx)} read only the pages of {len(pairs)} page table(s): "
+            f"rewritten to a page-gathered cast (page size `{ps}`)",
+            edits,
+        )
+
+    @staticmethod
+    def _page_size(paged: List[Consumer], cand: CastCandidate, ctx: UnitContext) -> Tuple[str, str]:
+        sizes = {}
+        for c in paged:
+            node = next((n for n in map(_page_dim, c.views) if n is not None), None)
+            if node is None:
+                return "", (f"no `.view(-1, page_size, ...)` or `paged_view(x, page_size)` between the cast and "
+                            f"`{ctx.code(c.call.func)}`: the size of the pages it reads is not visible")
+            sizes[ctx.code(node)] = node
+        if len(sizes) != 1:
+            return "", f"the caches are viewed with different page sizes ({', '.join(sorted(sizes))})"
+        (code, node), = sizes.items()
+        problem = differs_at(ctx, node, cand.call, "the view")
+        return code, problem
+
+    @staticmethod
+    def _tables(paged: List[Consumer], cand: CastCandidate, ctx: UnitContext):
+        pairs: List[Tuple[str, str]] = []
+        for c in paged:
+            pt = next(_kw(c.call, k) for k in PAGED_KEYWORDS if _kw(c.call, k))
+            sl = _kw(c.call, SEQLENS_KEYWORD)
+            for arg in (pt, sl):
+                if any(isinstance(n, cst.Call) for n in _walk(arg.value)):
+                    return [], f"`{ctx.code(arg.value)}` calls a function: it would run at the cast too"
+                problem = differs_at(ctx, arg.value, cand.call, f"`{ctx.code(c.call.func)}`")
+                if problem:
+                    return [], problem
+            pair = (ctx.code(pt.value), ctx.code(sl.value))
+            if pair not in pairs:
+                pairs.append(pair)
+        return pairs, ""
+
+    @staticmethod
+    def _builder(cand: CastCandidate, ctx: UnitContext, ps: str, pairs: List[Tuple[str, str]]):
+        indent = leading_ws(ctx.file.lines[ctx.line(cand.call) - 1])
+        block_indent = leading_ws(ctx.file.lines[ctx.line(ctx.line_statement(cand.call)) - 1])
+        unit = "\t" if indent.startswith("\t") else "    "
+        column = ctx.column(cand.call)
+        comment = "  ".join(comments_in(cand.call, exclude=[cand.receiver, cand.form.dtype_arg.value])) or None
+        fn = f"{RUNTIME_ALIAS}.{PageTablePoolCast.EMITS[0]}"
+
+        def build(updated: cst.Call) -> cst.BaseExpression:
+            dtype = next(a for a in updated.args if a.value is not None and (
+                (cand.form.dtype_arg.keyword is None and a.keyword is None)
+                or (a.keyword is not None and a.keyword.value == "dtype")))
+            args = [(moved_code(updated.func.value, block_indent, unit), None),
+                    (cst.Module(body=[]).code_for_node(dtype.value), comment), (ps, None)]
+            inner = indent + unit
+            for pt, sl in pairs:
+                one = f"lambda: ({pt}, {sl})"
+                if len(inner) + len(unit) + len(one) + 1 > 100:
+                    one = f"lambda: (\n{inner}{unit}{pt},\n{inner}{unit}{sl},\n{inner})"
+                args.append((one, None))
+            text = call_text(fn, args, indent, unit, column, force_explode=True)
+            return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
+
+        return build
+
+
+def _closure_tables(ctx: UnitContext, names, cand: CastCandidate) -> Tuple[List[Tuple[str, str]], str]:
+    """The (page_table, cache_seqlens) pairs of page-table calls inside nested functions
+    that read the cast result (`names`), or why they cannot be known. The data flow
+    follows no value into a closure, so each read there must be a k_cache/v_cache of a
+    paged call. Its table must be a value the enclosing function fixes before the cast
+    (no assignment to its names after it); lengths that are the closure's own (context
+    parallel splits them) become None: every entry of the table is cast, a superset."""
+    pairs: List[Tuple[str, str]] = []
+    for node in _walk(ctx.func.body):
+        if not isinstance(node, (cst.FunctionDef, cst.Lambda)):
+            continue
+        scope = node.name.value if isinstance(node, cst.FunctionDef) else "<lambda>"
+        local = _bound_in(node)
+        for inner in _walk(node):
+            if not (isinstance(inner, cst.Name) and inner.value in names):
+                continue
+            call = _paged_call_of(inner, node)
+            if call is None:
+                return [], (f"`{inner.value}` is also read inside the nested function `{scope}`, not as the cache of "
+                            f"a page-table call: what it reads there is not known at the cast")
+            pt = next(_kw(call, k) for k in PAGED_KEYWORDS if _kw(call, k)).value
+            sl = _kw(call, SEQLENS_KEYWORD).value
+            why = _fixed_before(ctx, pt, local, cand)
+            if why:
+                return [], f"`{ctx.code(call.func)}` inside `{scope}`: {why}"
+            pair = (ctx.code(pt), ctx.code(sl) if not _fixed_before(ctx, sl, local, cand) else "None")
+            if pair not in pairs:
+                pairs.append(pair)
+    return pairs, ""
+
+
+def _paged_call_of(name: cst.Name, scope: cst.CSTNode) -> Optional[cst.Call]:
+    """The page-table call inside `scope` that takes `name` as its k_cache/v_cache."""
+    for node in _walk(scope):
+        if isinstance(node, cst.Call) and any(_kw(node, k) for k in PAGED_KEYWORDS) \
+                and _kw(node, SEQLENS_KEYWORD) is not None:
+            for k in CACHE_KEYWORDS:
+                a = _kw(node, k)
+                if a is not None and a.value is name:
+                    return node
+    return None
+
+
+def _bound_in(scope: cst.CSTNode) -> set:
+    """Names a nested function binds itself (parameters and assignments)."""
+    out = set()
+    params = scope.params if isinstance(scope, (cst.FunctionDef, cst.Lambda)) else None
+    if params is not None:
+        for p in (*params.params, *params.kwonly_params, *params.posonly_params):
+            out.add(p.name.value)
+        for p in (params.star_arg, params.star_kwarg):
+            if isinstance(p, cst.Param):
+                out.add(p.name.value)
+    for node in _walk(scope):
+        if isinstance(node, cst.AssignTarget) and isinstance(node.target, cst.Name):
+            out.add(node.target.value)
+    return out
+
+
+def _fixed_before(ctx: UnitContext, expr: cst.BaseExpression, local: set, cand: CastCandidate) -> str:
+    """Why `expr` (read in a closure) may not be what it is at the cast, or ""."""
+    from kvpatch.dataflow import loads_in
+
+    if any(isinstance(n, cst.Call) for n in _walk(expr)):
+        return f"`{ctx.code(expr)}` calls a function"
+    cast_line = ctx.line(cand.call)
+    node = cand.call
+    while node is not None and node is not ctx.func:
+        if isinstance(node, (cst.For, cst.While)):
+            return "the cast sits in a loop: a later iteration may rebind what the closure reads"
+        node = ctx.parents.get(node)
+    for name in loads_in(expr):
+        if name.value in local:
+            return f"`{name.value}` is the nested function's own"
+        later = [d for d in ctx.flow.defs if d.name == name.value and d.stmt is not None
+                 and ctx.line(d.stmt) > cast_line]
+        if later:
+            return f"`{name.value}` is assigned after the cast (line {ctx.line(later[0].stmt)})"
+    return stored_in(ctx, expr, "the call")
+
+
+def _walk(node: cst.CSTNode):
+    yield node
+    for child in node.children:
+        yield from _walk(child)
