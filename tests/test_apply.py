@@ -14,6 +14,7 @@ from kvpatch.runtime import RUNTIME_FILENAME
 
 GOLDEN = REPO / "tests" / "golden" / "flashinfer_mla_backend.patched.py"
 RUNTIME = FI_MLA.rsplit("/", 1)[0] + "/" + RUNTIME_FILENAME
+FA3 = FI_MLA.rsplit("/", 1)[0] + "/flashattention_backend.py"
 
 
 def run(*args):
@@ -32,8 +33,10 @@ def test_apply_plain_dir_matches_golden_and_is_idempotent(example):
     assert '__kvpatch_version__ = "' in rt.read_text()
     state = json.loads((example / ".kvpatch/state.json").read_text())
     assert state["schema"] == "kvpatch.state/1"
-    [f] = state["files"]
-    assert f["path"] == FI_MLA and len(f["sites"]) == 5
+    files = {f["path"]: f for f in state["files"]}
+    assert set(files) == {FI_MLA, FA3}  # the FlashInfer MLA backend and the FA3 one (KVP103)
+    f = files[FI_MLA]
+    assert len(f["sites"]) == 5 and len(files[FA3]["sites"]) == 1
     assert {s["kind"] for s in f["sites"]} == {"cast", "plan"}
     assert all(s["rewritten"] and s["original"] != s["rewritten"] for s in f["sites"])
     assert (example / f["original_copy"]).read_bytes() == (REPO / "examples/sglang" / FI_MLA).read_bytes()

@@ -144,7 +144,7 @@ def test_crash_at_every_write_point_then_recover(tmp_path):
     pristine = tmp_path / "pristine"
     shutil.copytree(EXAMPLE, pristine)
     n = n_writes(pristine)
-    assert n == 4  # original copy, backend, runtime, state.json
+    assert n == 6  # two original copies, two backends (FlashInfer MLA, FA3), runtime, state.json
     golden = tmp_path / "golden"
     shutil.copytree(pristine, golden)
     assert run("apply", golden).exit_code == 0
