@@ -18,6 +18,8 @@ for s in $steps; do
           python3 -c "import torch, triton, flashinfer; print(torch.__version__, triton.__version__, flashinfer.__version__, torch.cuda.get_device_name())" ;;
     rt_tests) python3 -m pytest -q -ra tests/gpu/test_runtime_gpu.py 2>&1 | tee "$OUT/rt_tests.log" ;;
     gather) python3 benchmarks/bench_gather.py --out "$OUT/bench_gather.json" 2>&1 | tee "$OUT/bench_gather.log" ;;
+    gather_quick) python3 benchmarks/bench_gather.py --no-sweep --out "$OUT/bench_gather.json" 2>&1 | tee "$OUT/bench_gather.log" ;;
+    pages) python3 benchmarks/bench_pages.py --out "$OUT/bench_pages.json" 2>&1 | tee "$OUT/bench_pages.log" ;;
     verify) python3 gpu/verify_real.py .gpu_payload/* 2>&1 | tee "$OUT/verify_real.log" ;;
     vtests) python3 -m pytest -q -ra tests/gpu/test_verify_gpu.py 2>&1 | tee "$OUT/verify_tests.log" ;;
     attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
