@@ -219,10 +219,11 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 @click.option("-n", "--dry-run", is_flag=True, help="Print the exact diff and counts; write nothing.")
 @click.option("--allow-dirty", is_flag=True, help="Patch a git tree that has uncommitted changes.")
 @click.option("--no-commit", is_flag=True, help="Write the files only: no kvpatch/<...> branch, no commit.")
+@click.option("--no-verify", is_flag=True, help="Commit without running git's pre-commit and commit-msg hooks.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
 @_rules_opt
 @click.pass_obj
-def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
+def apply(out: Out, path, dry_run, allow_dirty, no_commit, no_verify, jobs, rules):
     """Rewrite every fixable site under PATH (all files or none).
 
     In a git checkout: refuses a dirty tree, then makes a branch
@@ -262,7 +263,7 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, jobs, rules):
                                      f"file(s) would be written; nothing written"))
         sys.exit(EXIT_ERROR if errors else EXIT_OK)
     try:
-        res = P.apply(root, allow_dirty=allow_dirty, no_commit=no_commit, patch=built)
+        res = P.apply(root, allow_dirty=allow_dirty, no_commit=no_commit, no_verify=no_verify, patch=built)
     except P.PatchError as exc:
         out.error(str(exc))
         sys.exit(EXIT_ERROR)
@@ -308,8 +309,9 @@ def _apply_counts(out: Out, built, written: bool) -> None:
 @click.option("--force", is_flag=True, help="Restore even files edited since apply (edits kept in *.kvpatch-drifted).")
 @click.option("--no-commit", is_flag=True, help="Restore the files only; no git commit.")
 @click.option("--allow-dirty", is_flag=True, help="Revert in a git tree with other uncommitted changes.")
+@click.option("--no-verify", is_flag=True, help="Commit without running git's pre-commit and commit-msg hooks.")
 @click.pass_obj
-def revert(out: Out, path, force, no_commit, allow_dirty):
+def revert(out: Out, path, force, no_commit, allow_dirty, no_verify):
     """Restore the original bytes of every file kvpatch apply changed.
 
     Removes the injected runtime and .kvpatch/, and (in git) commits the
@@ -323,7 +325,7 @@ def revert(out: Out, path, force, no_commit, allow_dirty):
     root = _root(path, out)
     t0 = time.perf_counter()
     try:
-        res = P.revert(root, force=force, no_commit=no_commit, allow_dirty=allow_dirty)
+        res = P.revert(root, force=force, no_commit=no_commit, allow_dirty=allow_dirty, no_verify=no_verify)
     except (P.PatchError, ValueError) as exc:  # ValueError: an unreadable state record
         out.error(str(exc))
         sys.exit(EXIT_ERROR)

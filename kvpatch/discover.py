@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+from kvpatch import checkout
 from kvpatch.locate import MLA_PLAN_FUNCTIONS
 from kvpatch.safepath import UnsafePath, is_link, read_regular
 
@@ -50,10 +51,26 @@ class ReadError:
 
 
 def iter_python_paths(root: Path) -> Iterator[Path]:
-    """Every ``*.py`` under root, in a stable order, not following dir symlinks."""
+    """Every ``*.py`` under root, in a stable order, not following dir symlinks;
+    in a git checkout, those git lists (an ignored build copy is not scanned)."""
     if root.is_file():
         yield root
         return
+    listed = checkout.listed_files(root)
+    if listed is None:
+        yield from _walk(root)
+        return
+    for rel in listed:
+        if SKIP_DIRS.intersection(rel.split("/")[:-1]):
+            continue
+        path = root / rel
+        if rel.endswith(".py"):
+            yield path
+        elif path.is_dir() and not is_link(path):  # a submodule: git lists it as one entry
+            yield from _walk(path)
+
+
+def _walk(root: Path) -> Iterator[Path]:
     stack = [root]
     while stack:
         d = stack.pop()

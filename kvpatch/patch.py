@@ -26,6 +26,13 @@ from kvpatch.state import (JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE, FileR
                            State, load, sha256)
 
 
+# .kvpatch/ holds the originals and state.json: never part of a commit (git has
+# the originals), so it ignores itself, the way .pytest_cache/ does.
+GIT_IGNORE = f"{STATE_DIR}/.gitignore"
+IGNORE_ALL = b"*\n"
+NO_VERIFY_HINT = f"{checkout.NO_VERIFY} skips the hooks"
+
+
 class PatchError(Exception):
     """A refusal with a one-line reason (exit code 2)."""
 
@@ -196,8 +203,8 @@ def apply(root: Path, **kw) -> ApplyResult:
         return _apply(root, **kw)
 
 
-def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=None, progress=None,
-           patch: Optional[Patch] = None) -> ApplyResult:
+def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_verify=False, jobs=None,
+           progress=None, patch: Optional[Patch] = None) -> ApplyResult:
     _refuse_pending(root)
     old_state = load(root)  # a crafted state is refused here, before anything is touched
     info = checkout.git_info(root)
@@ -216,11 +223,13 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=
             raise PatchError(f"{both[0]} has uncommitted changes that the kvpatch commit would include: "
                              f"commit them first, or pass --no-commit")
 
+    if info is not None and not no_commit:
+        _git_preflight(info)
     writes, state = _apply_writes(root, patch, info, old_state)
     branch = commit_sha = None
     notice = ""
     if info is None:
-        notice = "not a git checkout: files written in place, no branch or commit"
+        notice = f"{checkout.plain_reason(root)}: files written in place, no branch or commit"
     elif no_commit:
         notice = "--no-commit: files written in place, no branch or commit"
 
@@ -232,14 +241,19 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, jobs=
         branch = checkout.branch_name(info, root)
         checkout.create_branch(info, branch)
         try:
-            paths = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None]
-            commit_sha = checkout.commit(info, paths, [], commit_message(patch))
+            # The checkout's own files only: the originals and state.json live
+            # in .kvpatch/ (git-ignored), since git already has the originals.
+            paths = [info.rel_to_repo(root, w.rel) for w in writes if not _is_state(w.rel)]
+            commit_sha = checkout.commit(info, paths, commit_message(patch), no_verify)
         except BaseException:
-            checkout.restore_branch(info, orig_branch, branch)
+            try:
+                checkout.restore_branch(info, orig_branch, branch)
+            except checkout.GitError:
+                pass  # the commit's error is the one to report
             branch = None
             raise
 
-    write.apply_writes(root, writes, "apply", before_finish=finish, git=_git_record(info, no_commit))
+    _write_and_commit(root, writes, "apply", finish, _git_record(info, no_commit))
     return ApplyResult(patch, [w.rel for w in writes], branch, commit_sha, info is not None, notice)
 
 
@@ -279,6 +293,8 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
         runtime_files=sorted(runtimes.values(), key=lambda r: r.path),
     )
     writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", state.to_json().encode("utf-8")))
+    if info is not None and not (root / GIT_IGNORE).exists():
+        writes.append(write.FileWrite(GIT_IGNORE, IGNORE_ALL))
     return writes, state
 
 
@@ -299,7 +315,7 @@ def revert(root: Path, **kw) -> RevertResult:
         return _revert(root, **kw)
 
 
-def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> RevertResult:
+def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_verify=False) -> RevertResult:
     _refuse_pending(root)
     st = load(root)
     if st is None:
@@ -341,24 +357,29 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False) -> R
             writes.append(write.FileWrite(r.original_copy, None))
             restored.append(r.path)
     writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", None))
+    if (root / GIT_IGNORE).exists():
+        writes.append(write.FileWrite(GIT_IGNORE, None))
+    if info is not None and not no_commit:
+        _git_preflight(info)
     commit_sha = None
-    notice = "" if info is not None else "not a git checkout: files restored in place, no commit"
+    notice = "" if info is not None else f"{checkout.plain_reason(root)}: files restored in place, no commit"
     if info is not None and no_commit:
         notice = "--no-commit: files restored in place, no commit"
 
     def finish():
         nonlocal commit_sha
-        _prune_empty(root / STATE_DIR)
+        # .kvpatch/'s emptied folders are pruned only after the commit: a refused
+        # commit rolls the originals back into them.
         if info is None or no_commit:
             return
-        tracked = set(info.repo.git.ls_files().splitlines())
-        add = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None]
-        rm = [info.rel_to_repo(root, w.rel) for w in writes if w.data is None]
-        rm = [p for p in rm if p in tracked]
-        commit_sha = checkout.commit(info, add, rm, f"kvpatch: revert ({len(restored)} files restored, "
-                                                    f"{len(removed)} runtime files removed)\n")
+        # Removals only of what git tracks: .kvpatch/ is ignored (an apply by an
+        # older kvpatch committed it, and then its removal is committed too).
+        add = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None and not _is_state(w.rel)]
+        rm = checkout.tracked(info, [info.rel_to_repo(root, w.rel) for w in writes if w.data is None])
+        commit_sha = checkout.commit(info, add + rm, f"kvpatch: revert ({len(restored)} files restored, "
+                                                     f"{len(removed)} runtime files removed)\n", no_verify)
 
-    write.apply_writes(root, writes, "revert", before_finish=finish, git=_git_record(info, no_commit))
+    _write_and_commit(root, writes, "revert", finish, _git_record(info, no_commit))
     _prune_empty(root / STATE_DIR)
     return RevertResult(restored, removed, commit_sha, info is not None, notice)
 
@@ -367,6 +388,27 @@ def _git_record(info, no_commit: bool) -> Optional[dict]:
     """Where HEAD is before the git steps, for the journal: a kill in the middle
     of them is undone ref for ref. None when the write makes no git step."""
     return None if info is None or no_commit else gittxn.record(info)
+
+
+def _write_and_commit(root: Path, writes: List[write.FileWrite], op: str, finish: Callable[[], None],
+                      git: Optional[dict]) -> None:
+    """All files or none; a refused commit (a hook, signing, identity) rolls
+    the files back too, and its output is the error."""
+    try:
+        write.apply_writes(root, writes, op, before_finish=finish, git=git)
+    except checkout.GitError as exc:
+        raise PatchError(f"git commit failed, every file was rolled back ({NO_VERIFY_HINT}):\n{exc}") from None
+
+
+def _is_state(rel: str) -> bool:
+    return rel == STATE_DIR or rel.startswith(STATE_DIR + "/")
+
+
+def _git_preflight(info) -> None:
+    try:
+        checkout.preflight(info)
+    except checkout.GitError as exc:
+        raise PatchError(f"git would refuse the commit, nothing was changed: {exc}") from None
 
 
 @contextmanager
