@@ -33,6 +33,7 @@ NO_VERIFY = "--no-verify"
 # Paths kvpatch hands git are file names, never pathspec magic or globs.
 GIT_ENV: Dict[str, str] = {"GIT_LITERAL_PATHSPECS": "1"}
 NUL = b"\0"
+DOT_GIT = ".git"
 
 
 class GitError(Exception):
@@ -80,7 +81,18 @@ def _split_z(out: bytes) -> List[str]:
     return [os.fsdecode(p) for p in out.split(NUL) if p]
 
 
+def _inside_git(root: Path) -> bool:
+    """A cheap look for a .git above root: outside git, GitPython (slow to
+    import) is never loaded, so audit of a plain tree starts fast."""
+    if os.environ.get("GIT_DIR"):
+        return True
+    root = root.resolve()
+    return any((d / DOT_GIT).exists() for d in (root, *root.parents))
+
+
 def _repo_of(root: Path):
+    if not _inside_git(root):
+        return None
     try:
         import git  # GitPython: slow to import, so only here
     except ImportError:  # pragma: no cover - a declared dependency
