@@ -368,20 +368,25 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
 
     def finish():
         nonlocal commit_sha
-        # .kvpatch/'s emptied folders are pruned only after the commit: a refused
-        # commit rolls the originals back into them.
-        if info is None or no_commit:
-            return
-        # Removals only of what git tracks: .kvpatch/ is ignored (an apply by an
-        # older kvpatch committed it, and then its removal is committed too).
-        add = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None and not _is_state(w.rel)]
-        rm = checkout.tracked(info, [info.rel_to_repo(root, w.rel) for w in writes if w.data is None])
-        commit_sha = checkout.commit(info, add + rm, f"kvpatch: revert ({len(restored)} files restored, "
-                                                     f"{len(removed)} runtime files removed)\n", no_verify)
+        if info is not None and not no_commit:
+            commit_sha = _revert_commit(info, root, writes, len(restored), len(removed), no_verify)
+        # .kvpatch/'s emptied folders go only once the commit is made (a refused
+        # commit rolls the originals back into them) and before the journal goes.
+        _prune_empty(root / STATE_DIR)
 
     _write_and_commit(root, writes, "revert", finish, _git_record(info, no_commit))
     _prune_empty(root / STATE_DIR)
     return RevertResult(restored, removed, commit_sha, info is not None, notice)
+
+
+def _revert_commit(info, root: Path, writes: List[write.FileWrite], restored: int, removed: int,
+                   no_verify: bool) -> str:
+    # Removals only of what git tracks: .kvpatch/ is ignored (an apply by an
+    # older kvpatch committed it, and then its removal is committed too).
+    add = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None and not _is_state(w.rel)]
+    rm = checkout.tracked(info, [info.rel_to_repo(root, w.rel) for w in writes if w.data is None])
+    return checkout.commit(info, add + rm, f"kvpatch: revert ({restored} files restored, "
+                                           f"{removed} runtime files removed)\n", no_verify)
 
 
 def _git_record(info, no_commit: bool) -> Optional[dict]:
