@@ -27,7 +27,7 @@ from conftest import EXAMPLE, git
 from kvpatch import gittxn, write
 from kvpatch import patch as P
 from kvpatch.cli import main
-from kvpatch.gittxn import BRANCH_PREFIX, HEADS
+from kvpatch.gittxn import BRANCH_PREFIX, HEADS, INDEX_LOCK
 from kvpatch.state import STATE_DIR, STATE_FILE
 from kvpatch.state import JOURNAL_FILE
 from kvpatch.write import CRASH_ENV, GIT_KEY, TXN_DIR
@@ -115,6 +115,7 @@ def after_kill(root: Path, before: tuple, after: tuple, where: str) -> str:
     assert "Traceback" not in st.output, (where, st.output)
     state = json.loads(st.stdout)["state"]
     if state == INTERRUPTED:
+        _clear_index_lock(root, where)
         rc = run("recover", root)
         assert rc.exit_code == 0 and "Traceback" not in rc.output, (where, rc.output)
         got = whole(root)
@@ -128,6 +129,20 @@ def after_kill(root: Path, before: tuple, after: tuple, where: str) -> str:
         assert run("recover", root).exit_code == 0
         assert _shape(whole(root)) == _shape(got) and not any(k.startswith(SCRATCH) for k in whole(root)[0])
     return state
+
+
+def _clear_index_lock(root: Path, where: str) -> None:
+    """A kill while git itself writes the index (git add, checkout -b, commit:
+    the commit is git's own, for the hooks) leaves git's index.lock. recover
+    cannot tell it from a live git process's, so it names the lock and touches
+    nothing; the user removes it, as git's own message says, and recovers."""
+    lock = root / ".git" / INDEX_LOCK
+    if not lock.exists():
+        return
+    held = whole(root)
+    r = run("recover", root)
+    assert r.exit_code == 2 and INDEX_LOCK in r.output and whole(root) == held, (where, r.output)
+    lock.unlink()
 
 
 def _shape(w: tuple) -> tuple:
@@ -200,14 +215,7 @@ def test_kill_inside_the_git_commit_recovers_head_branches_and_index(tmp_path, o
     _, err = p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL, (p.returncode, err)
     hook_file.unlink()
-    lock = root / ".git" / "index.lock"
-    if lock.exists():
-        # The commit is git's own (it honours hooks): killed with it, git leaves
-        # its index lock. recover names it and touches nothing until it is gone.
-        killed = whole(root)
-        held = run("recover", root)
-        assert held.exit_code == 2 and "index.lock" in held.output and whole(root) == killed, held.output
-        lock.unlink()
+    _clear_index_lock(root, f"{cmd} killed at {hook}")
     killed = whole(root)
     dry = run("recover", "--dry-run", root)
     assert dry.exit_code == 0 and whole(root) == killed, dry.output
