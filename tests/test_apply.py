@@ -90,7 +90,8 @@ def test_apply_in_git_makes_branch_and_one_commit(example_git):
     assert "FlashInferMLAAttnBackend.forward_decode" in msg and "forward_extend" in msg
     assert "plan kv dtype" in msg and RUNTIME in msg
     files = git(example_git, "show", "--name-only", "--format=", "HEAD").splitlines()
-    assert sorted(files) == sorted([FI_MLA, RUNTIME])  # .kvpatch/ stays out of the commit (issue 10 item 3)
+    assert FI_MLA in files and RUNTIME in files
+    assert not [f for f in files if f.startswith(".kvpatch/")]  # out of the commit (issue 10 item 3)
 
     again = run("apply", example_git)
     assert "nothing to do" in again.output and git(example_git, "rev-parse", "HEAD") != head
