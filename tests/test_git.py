@@ -7,6 +7,7 @@ import json
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,14 @@ from conftest import EXAMPLE, FI_MLA, git, tree_hashes
 from kvpatch import checkout
 from kvpatch import patch as P
 from kvpatch.cli import main
-from kvpatch.runtime import RUNTIME_FILENAME
+from kvpatch.runtime import RUNTIME_FILENAME, runtime_source
 from kvpatch.state import STATE_DIR
 
 RUNTIME = FI_MLA.rsplit("/", 1)[0] + "/" + RUNTIME_FILENAME
 HOOK_SAYS = "codespell-hook: _kvpatch_runtime.py:1: teh ==> the"
 VERSION_PY = "python/sglang/version.py"
+# SGLang's pre-commit runs these on every staged .py file, the runtime included.
+FORMATTERS = {"black": ["black", "--check", "--diff"], "codespell": ["codespell_lib"]}
 
 
 def run(*args):
@@ -279,3 +282,14 @@ def test_git_ignored_copies_are_not_scanned_or_patched(example_git):
 def test_outside_git_every_file_is_walked(example):
     build = ignored_build_copy(example)
     assert f"{build}/srt/layers/attention/flashinfer_mla_backend.py" in site_files(example)
+
+
+# -- item 1: the injected runtime passes SGLang's own formatter hooks --------------------
+@pytest.mark.parametrize("tool", sorted(FORMATTERS))
+def test_the_injected_runtime_is_black_and_codespell_clean(tmp_path, tool):
+    module, *args = FORMATTERS[tool]
+    pytest.importorskip(module, reason=f"{tool} is not installed (the test extras pin it: pip install '.[test]')")
+    injected = tmp_path / RUNTIME_FILENAME
+    injected.write_text(runtime_source(), encoding="utf-8")
+    r = subprocess.run([sys.executable, "-m", module, *args, str(injected)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -43,7 +43,11 @@ _FA2_MIN = (0, 6, 18)
 _FP8 = torch.float8_e4m3fn
 
 # Kernel launch constants; benchmarks/bench_gather.py sweeps them.
-TUNING = {"block_rows": 16, "num_warps": 4, "programs_per_sm": 16}  # best of the H200 sweep
+TUNING = {
+    "block_rows": 16,
+    "num_warps": 4,
+    "programs_per_sm": 16,
+}  # best of the H200 sweep
 
 _requested = None  # KVPATCH_MODE as parsed
 _mode = None  # resolved mode
@@ -128,7 +132,7 @@ _VERSION_RE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)(.*)$")
 
 
 def _parse_version(text):
-    """'0.6.18.post1' -> (0, 6, 18, 1); '0.7.0rc1' -> (0, 7, 0, 0); None if unparseable.
+    """'0.6.18.post1' -> (0, 6, 18, 1); '0.7.0rc1' -> (0, 7, 0, 0); None if unparsable.
 
     The last field is 1 for a final or post release and 0 for a pre/dev release, so a
     pre-release sorts below its final release.
@@ -157,14 +161,14 @@ def _requested_mode():
     raw = os.environ.get("KVPATCH_MODE", "auto")
     value = raw.strip().lower() or "auto"
     if value not in _MODES:
-        raise ValueError(
-            "KVPATCH_MODE=%r is not one of: %s" % (raw, ", ".join(_MODES))
-        )
+        raise ValueError("KVPATCH_MODE=%r is not one of: %s" % (raw, ", ".join(_MODES)))
     return value
 
 
 def _native_available():
-    return _cuda_available() and _at_least(_parse_version(_flashinfer_version()), _FA3_MIN)
+    return _cuda_available() and _at_least(
+        _parse_version(_flashinfer_version()), _FA3_MIN
+    )
 
 
 def _triton_available():
@@ -191,7 +195,9 @@ def mode():
         requested = _requested_mode()
         resolved = requested
         if requested == "auto":
-            use_native = _cuda_available() and not _triton_available() and _native_available()
+            use_native = (
+                _cuda_available() and not _triton_available() and _native_available()
+            )
             resolved = "native" if use_native else "gather"
         elif requested == "native":
             resolved = "native" if _native_available() else "gather"
@@ -330,9 +336,12 @@ def plan_rows(wrapper, kv_indptr):
             wrapper.__dict__[_COUNT_ATTR] = None  # unknown: whole-pool cast
         except Exception:
             pass
-        _warn_once(("plan_rows", type(wrapper).__name__, str(exc)),
-                   "kvpatch: rows of %s unknown (%s); casting the whole pool",
-                   type(wrapper).__name__, exc)
+        _warn_once(
+            ("plan_rows", type(wrapper).__name__, str(exc)),
+            "kvpatch: rows of %s unknown (%s); casting the whole pool",
+            type(wrapper).__name__,
+            exc,
+        )
     return kv_indptr
 
 
@@ -437,22 +446,32 @@ def gather_cast(
         indptr2, indptr2_pos = indptr, indptr_pos
     src2, dst2 = _rows(src), _rows(dst)
     if src2 is None or dst2 is None:
-        raise ValueError("gather_cast: src/dst strides do not form [slots, slot_len] rows")
+        raise ValueError(
+            "gather_cast: src/dst strides do not form [slots, slot_len] rows"
+        )
     idx = indices.reshape(-1)  # a view for the 1-D buffers FlashInfer keeps
     if idx.numel() == 0 or src2.shape[0] < rpi:
         return "torch"
     cfg = dict(TUNING, **(config or {}))
-    if backend != "torch" and _triton_ok(src2, dst2, idx, indptr, indptr2, rpi, backend):
+    if backend != "torch" and _triton_ok(
+        src2, dst2, idx, indptr, indptr2, rpi, backend
+    ):
         key = (src.dtype, dst.dtype, rpi, cfg["block_rows"], cfg["num_warps"])
         if key not in _triton_failed:
             try:
-                _launch(src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi, cfg)
+                _launch(
+                    src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi, cfg
+                )
                 return "triton"
             except Exception as exc:
                 if backend == "triton":
                     raise
                 _triton_failed.add(key)
-                _warn_once(("triton", key), "kvpatch: Triton gather failed (%s); using torch", exc)
+                _warn_once(
+                    ("triton", key),
+                    "kvpatch: Triton gather failed (%s); using torch",
+                    exc,
+                )
     elif backend == "triton":
         raise RuntimeError("gather_cast: Triton path not available for these tensors")
     _gather_cast_torch(src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi)
@@ -485,9 +504,22 @@ def _launch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi, cfg):
     max_blocks = -(-(idx.numel() * rpi) // br)
     grid = (max(1, min(_sm_count(src2.device) * cfg["programs_per_sm"], max_blocks)),)
     kernel[grid](
-        src2, dst2, idx, indptr, int(pos1), indptr2, int(pos2),
-        idx.numel(), n_rows // rpi, src2.stride(0), dst2.stride(0),
-        D=row_len, MAIN_D=main_d, TAIL_D=tail_d, RPI=rpi, BLOCK_ROWS=br,
+        src2,
+        dst2,
+        idx,
+        indptr,
+        int(pos1),
+        indptr2,
+        int(pos2),
+        idx.numel(),
+        n_rows // rpi,
+        src2.stride(0),
+        dst2.stride(0),
+        D=row_len,
+        MAIN_D=main_d,
+        TAIL_D=tail_d,
+        RPI=rpi,
+        BLOCK_ROWS=br,
         num_warps=cfg["num_warps"],
     )
 
@@ -510,7 +542,9 @@ def _cast_units_torch(src2, dst2, i, valid, rpi):
     # Invalid entries are redirected to the first valid row, which is written with the
     # same value; if none is valid they rewrite a row with its own old value. Either
     # way duplicates in index_copy_ agree, so the result is deterministic.
-    first = i.index_select(0, torch.argmax(valid.to(torch.int32)).view(1)).clamp(0, units - 1)
+    first = i.index_select(0, torch.argmax(valid.to(torch.int32)).view(1)).clamp(
+        0, units - 1
+    )
     safe = torch.where(valid, i, first)
     new = src_u.index_select(0, safe).to(dst2.dtype)
     old = dst_u.index_select(0, safe)
@@ -541,8 +575,17 @@ def _build_kernels():
         return
 
     @triton.jit
-    def _cast_rows(src, dst, row, ok, src_stride, dst_stride,
-                   D: tl.constexpr, MAIN_D: tl.constexpr, TAIL_D: tl.constexpr):
+    def _cast_rows(
+        src,
+        dst,
+        row,
+        ok,
+        src_stride,
+        dst_stride,
+        D: tl.constexpr,
+        MAIN_D: tl.constexpr,
+        TAIL_D: tl.constexpr,
+    ):
         cols = tl.arange(0, MAIN_D)
         s = src + row[:, None] * src_stride
         d = dst + row[:, None] * dst_stride
@@ -561,27 +604,67 @@ def _build_kernels():
 
     @triton.jit(do_not_specialize=["pos1", "pos2", "n_idx", "n_units"])
     def _gather_cast_kernel(
-        src, dst, idx_ptr, ip1, pos1, ip2, pos2, n_idx, n_units, src_stride, dst_stride,
-        D: tl.constexpr, MAIN_D: tl.constexpr, TAIL_D: tl.constexpr,
-        RPI: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+        src,
+        dst,
+        idx_ptr,
+        ip1,
+        pos1,
+        ip2,
+        pos2,
+        n_idx,
+        n_units,
+        src_stride,
+        dst_stride,
+        D: tl.constexpr,
+        MAIN_D: tl.constexpr,
+        TAIL_D: tl.constexpr,
+        RPI: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
     ):
         # Valid count from device memory: replays see whatever SGLang wrote in place.
         n = tl.maximum(tl.load(ip1 + pos1), tl.load(ip2 + pos2))
-        n = tl.minimum(tl.maximum(n, 0), n_idx).to(tl.int32)  # host checks n_idx*RPI < 2**31
+        n = tl.minimum(tl.maximum(n, 0), n_idx).to(
+            tl.int32
+        )  # host checks n_idx*RPI < 2**31
         total = n * RPI
         lanes = tl.arange(0, BLOCK_ROWS)
-        for blk in range(tl.program_id(0), tl.cdiv(total, BLOCK_ROWS), tl.num_programs(0)):
+        for blk in range(
+            tl.program_id(0), tl.cdiv(total, BLOCK_ROWS), tl.num_programs(0)
+        ):
             w = blk * BLOCK_ROWS + lanes
             live = w < total
             unit = tl.load(idx_ptr + w // RPI, mask=live, other=-1).to(tl.int64)
             ok = live & (unit >= 0) & (unit < n_units)  # never touch rows out of range
-            _cast_rows(src, dst, unit * RPI + w % RPI, ok, src_stride, dst_stride, D, MAIN_D, TAIL_D)
+            _cast_rows(
+                src,
+                dst,
+                unit * RPI + w % RPI,
+                ok,
+                src_stride,
+                dst_stride,
+                D,
+                MAIN_D,
+                TAIL_D,
+            )
 
     @triton.jit(do_not_specialize=["n_cols", "n_units", "pt_stride", "sl_stride"])
     def _page_cast_kernel(
-        src, dst, pt_ptr, pt_stride, sl_ptr, sl_stride, n_cols, n_units, src_stride, dst_stride,
-        D: tl.constexpr, MAIN_D: tl.constexpr, TAIL_D: tl.constexpr,
-        PS: tl.constexpr, EVERY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+        src,
+        dst,
+        pt_ptr,
+        pt_stride,
+        sl_ptr,
+        sl_stride,
+        n_cols,
+        n_units,
+        src_stride,
+        dst_stride,
+        D: tl.constexpr,
+        MAIN_D: tl.constexpr,
+        TAIL_D: tl.constexpr,
+        PS: tl.constexpr,
+        EVERY: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
     ):
         # Program (b, c) casts request b's live pages, page_table[b, :ceil(seqlen/PS)],
         # with C programs striding over them: work follows the live rows, not the
@@ -594,12 +677,26 @@ def _build_kernels():
             n_pages = tl.minimum(tl.maximum(tl.cdiv(seqlen, PS), 0), n_cols)
         total = n_pages * PS
         lanes = tl.arange(0, BLOCK_ROWS)
-        for blk in range(tl.program_id(1), tl.cdiv(total, BLOCK_ROWS), tl.num_programs(1)):
+        for blk in range(
+            tl.program_id(1), tl.cdiv(total, BLOCK_ROWS), tl.num_programs(1)
+        ):
             w = blk * BLOCK_ROWS + lanes
             live = w < total
-            page = tl.load(pt_ptr + b.to(tl.int64) * pt_stride + w // PS, mask=live, other=-1).to(tl.int64)
+            page = tl.load(
+                pt_ptr + b.to(tl.int64) * pt_stride + w // PS, mask=live, other=-1
+            ).to(tl.int64)
             ok = live & (page >= 0) & (page < n_units)  # never touch rows out of range
-            _cast_rows(src, dst, page * PS + w % PS, ok, src_stride, dst_stride, D, MAIN_D, TAIL_D)
+            _cast_rows(
+                src,
+                dst,
+                page * PS + w % PS,
+                ok,
+                src_stride,
+                dst_stride,
+                D,
+                MAIN_D,
+                TAIL_D,
+            )
 
     _kernel, _page_kernel = _gather_cast_kernel, _page_cast_kernel
 
@@ -618,11 +715,20 @@ def _table_ok(kv_buffer, table):
     if not (isinstance(table, tuple) and len(table) == 2):
         return False
     pt, sl = table
-    if not (isinstance(pt, torch.Tensor) and pt.dim() == 2 and pt.device == kv_buffer.device
-            and not pt.is_floating_point()):
+    if not (
+        isinstance(pt, torch.Tensor)
+        and pt.dim() == 2
+        and pt.device == kv_buffer.device
+        and not pt.is_floating_point()
+    ):
         return False
-    return sl is None or (isinstance(sl, torch.Tensor) and sl.dim() == 1 and sl.numel() >= pt.shape[0]
-                          and sl.device == kv_buffer.device and not sl.is_floating_point())
+    return sl is None or (
+        isinstance(sl, torch.Tensor)
+        and sl.dim() == 1
+        and sl.numel() >= pt.shape[0]
+        and sl.device == kv_buffer.device
+        and not sl.is_floating_point()
+    )
 
 
 def _resolve(table):
@@ -652,9 +758,15 @@ def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
     if kv_buffer.dtype == q_dtype:
         return kv_buffer
     tables = [_resolve(t) for t in tables]
-    live = [t for t in tables if not (isinstance(t, tuple) and len(t) == 2 and t[0] is None)]
+    live = [
+        t for t in tables if not (isinstance(t, tuple) and len(t) == 2 and t[0] is None)
+    ]
     ps = int(page_size) if isinstance(page_size, int) and page_size >= 1 else None
-    if ps is None or not all(_table_ok(kv_buffer, t) for t in live) or _rows(kv_buffer) is None:
+    if (
+        ps is None
+        or not all(_table_ok(kv_buffer, t) for t in live)
+        or _rows(kv_buffer) is None
+    ):
         _warn_once(
             ("pages", type(page_size).__name__, len(tables)),
             "kvpatch: page tables or page size not usable (page_size=%r); casting the whole pool",
@@ -683,14 +795,21 @@ def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", confi
     ps = int(page_size)
     src2, dst2 = _rows(src), _rows(dst)
     if src2 is None or dst2 is None:
-        raise ValueError("page_cast: src/dst strides do not form [slots, slot_len] rows")
+        raise ValueError(
+            "page_cast: src/dst strides do not form [slots, slot_len] rows"
+        )
     if page_table.numel() == 0 or src2.shape[0] < ps:
         return "torch"
     cfg = dict(TUNING, **(config or {}))
-    usable = ((src2.is_cuda or backend == "triton") and src2.stride(1) == 1 and dst2.stride(1) == 1
-              and page_table.stride(1) == 1 and page_table.shape[1] * ps < 2**31
-              and page_table.dtype in (torch.int32, torch.int64)
-              and (seqlens is None or seqlens.dtype in (torch.int32, torch.int64)))
+    usable = (
+        (src2.is_cuda or backend == "triton")
+        and src2.stride(1) == 1
+        and dst2.stride(1) == 1
+        and page_table.stride(1) == 1
+        and page_table.shape[1] * ps < 2**31
+        and page_table.dtype in (torch.int32, torch.int64)
+        and (seqlens is None or seqlens.dtype in (torch.int32, torch.int64))
+    )
     if backend != "torch" and usable and _get_page_kernel() is not None:
         key = ("pages", src.dtype, dst.dtype, ps, cfg["block_rows"], cfg["num_warps"])
         if key not in _triton_failed:
@@ -701,7 +820,11 @@ def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", confi
                 if backend == "triton":
                     raise
                 _triton_failed.add(key)
-                _warn_once(("triton", key), "kvpatch: Triton page cast failed (%s); using torch", exc)
+                _warn_once(
+                    ("triton", key),
+                    "kvpatch: Triton page cast failed (%s); using torch",
+                    exc,
+                )
     elif backend == "triton":
         raise RuntimeError("page_cast: Triton path not available for these tensors")
     units = src2.shape[0] // ps
@@ -724,13 +847,32 @@ def _launch_pages(src2, dst2, pt, sl, ps, cfg):
     rows, cols = pt.shape
     # Static grid (fixed under CUDA graphs): per request, enough programs to fill the
     # chip, never more than its widest possible page run needs.
-    per_req = max(1, min(-(-_sm_count(src2.device) * cfg["programs_per_sm"] // max(rows, 1)),
-                         -(-(cols * ps) // br)))
+    per_req = max(
+        1,
+        min(
+            -(-_sm_count(src2.device) * cfg["programs_per_sm"] // max(rows, 1)),
+            -(-(cols * ps) // br),
+        ),
+    )
     every = sl is None  # no lengths: every entry of each row is read
     kernel[(rows, per_req)](
-        src2, dst2, pt, pt.stride(0), pt if every else sl, 0 if every else sl.stride(0), cols, n_rows // ps,
-        src2.stride(0), dst2.stride(0),
-        D=row_len, MAIN_D=main_d, TAIL_D=tail_d, PS=ps, EVERY=every, BLOCK_ROWS=br, num_warps=cfg["num_warps"],
+        src2,
+        dst2,
+        pt,
+        pt.stride(0),
+        pt if every else sl,
+        0 if every else sl.stride(0),
+        cols,
+        n_rows // ps,
+        src2.stride(0),
+        dst2.stride(0),
+        D=row_len,
+        MAIN_D=main_d,
+        TAIL_D=tail_d,
+        PS=ps,
+        EVERY=every,
+        BLOCK_ROWS=br,
+        num_warps=cfg["num_warps"],
     )
 
 
