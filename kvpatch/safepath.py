@@ -20,6 +20,9 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
+GIT_DIR = ".git"
+
+
 class UnsafePath(ValueError):
     """A path that would leave the checkout, go through a link or name a non-file."""
 
@@ -33,6 +36,10 @@ def check_rel(rel, what: str) -> str:
         raise UnsafePath(f"{what}: {rel!r} is absolute")
     if any(part in ("..", ".", "") for part in rel.split("/")) or p.as_posix() != rel:
         raise UnsafePath(f"{what}: {rel!r} is not normalised (no '..', '.' or empty parts)")
+    # Git's own files (config, hooks) run code: a state or journal naming one is
+    # an attack, never kvpatch's write. Any case: .GIT is .git on macOS and Windows.
+    if any(part.lower() == GIT_DIR for part in rel.split("/")):
+        raise UnsafePath(f"{what}: {rel!r} is inside a {GIT_DIR} folder")
     return rel
 
 

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from conftest import EXAMPLE, FI_MLA, git, tree_hashes
 from kvpatch.cli import main
 from kvpatch.runtime import RUNTIME_FILENAME
-from kvpatch.safepath import UnsafePath, check_rel, tmp_path as scratch_of
+from kvpatch.safepath import GIT_DIR, UnsafePath, check_rel, tmp_path as scratch_of
 from kvpatch.state import JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE
 from kvpatch.write import TXN_DIR
 
@@ -77,6 +77,8 @@ BAD_PATHS = {
     "dot": lambda out: "./python/sglang/srt/layers/attention/flashinfer_mla_backend.py",
     "through-link": lambda out: "linkdir/canary.py",
     "dev-zero": lambda out: "/dev/zero",
+    "git-config": lambda out: f"{GIT_DIR}/config",  # core.fsmonitor, core.hooksPath: code runs
+    "nested-git-hook": lambda out: f"python/{GIT_DIR.upper()}/hooks/pre-commit",
 }
 STATE_FIELDS = [("files", "path"), ("files", "original_copy"), ("runtime_files", "path"),
                 ("runtime_files", "original_copy")]
@@ -96,6 +98,8 @@ def test_crafted_state_path_is_refused_by_every_command(world, field, bad):
     if section == "runtime_files" and key == "original_copy":
         rec["created"] = False
     sp.write_text(json.dumps(doc))
+    (tree / GIT_DIR / "hooks").mkdir(parents=True)  # a checkout's own git folder is no target either
+    (tree / GIT_DIR / "config").write_text("[core]\n")
     before_tree, before_out = snap(tree), snap(outside)
     for cmd in (["status"], ["revert"], ["revert", "--force"], ["apply"], ["status", "--json"]):
         r = run(*cmd, tree)
@@ -138,6 +142,9 @@ JOURNAL_CASES = {
     "mode-setuid": lambda o: [{"rel": FI_MLA, "backup": f"{STATE_DIR}/{TXN_DIR}/0.orig", "tmp": None,
                                "created": False, "mode": 0o104777}],
     "created-dir-outside": lambda o: [],
+    "rel-git-hook": lambda o: [{"rel": f"{GIT_DIR}/hooks/reference-transaction",
+                                "backup": f"{STATE_DIR}/{TXN_DIR}/0.orig", "tmp": None, "created": False,
+                                "mode": 0o755}],
 }
 
 
@@ -146,6 +153,7 @@ def test_crafted_journal_is_never_rolled_back(world, case):
     tree, outside = world
     (tree / "linkdir").symlink_to(outside, target_is_directory=True)
     (outside / "sub").mkdir()
+    (tree / GIT_DIR / "hooks").mkdir(parents=True)  # where a planted hook would run
     dirs = ["../outside/sub"] if case == "created-dir-outside" else []
     _journal(tree, JOURNAL_CASES[case](outside), dirs)
     (tree / STATE_DIR / TXN_DIR).mkdir()
@@ -264,7 +272,8 @@ def test_audit_against_a_crafted_tree_writes_nothing_outside_its_temp_dir(world,
     assert not list(tmp_path.rglob("evil.py"))
 
 
-@pytest.mark.parametrize("rel", ["/etc/passwd", "../x", "a/../b", "./a", "a//b", "", "a\\b", "a/\0"])
+@pytest.mark.parametrize("rel", ["/etc/passwd", "../x", "a/../b", "./a", "a//b", "", "a\\b", "a/\0",
+                                 ".git/config", "sub/.git/hooks/x", ".Git/HEAD"])
 def test_check_rel_refuses(rel):
     with pytest.raises(UnsafePath):
         check_rel(rel, "test")
