@@ -381,3 +381,36 @@ def test_scan_workers_die_with_their_parent(tmp_path):
     alive = [w for w in workers if Path(f"/proc/{w}").exists()
              and "Z" not in (Path(f"/proc/{w}/stat").read_text().split()[2:3] or [""])[0]]
     assert not alive, f"workers {alive} outlived their parent"
+
+
+# --- verify reads only what a validated state names ----------------------------------------
+
+DAY = 86400
+
+
+def _read_since(p: Path, stamp: float) -> bool:
+    """Whether p was read since its atime was set to `stamp` (relatime updates an atime a day old)."""
+    return os.stat(p).st_atime != stamp
+
+
+@pytest.mark.parametrize("field", [("files", "path"), ("files", "original_copy")], ids=["path", "original_copy"])
+@pytest.mark.parametrize("bad", ["absolute", "dotdot", "through-link", "git-config"])
+def test_verify_never_reads_what_a_crafted_state_names(world, field, bad):
+    tree, outside = world
+    assert run("apply", tree).exit_code == 0
+    (tree / "linkdir").symlink_to(outside, target_is_directory=True)
+    canary = outside / "canary.py"
+    stamp = time.time() - 2 * DAY
+    os.utime(canary, (stamp, os.stat(canary).st_mtime))
+    canary.read_bytes()
+    if not _read_since(canary, stamp):
+        pytest.skip("this file system does not record reads in atime (noatime)")
+    os.utime(canary, (stamp, os.stat(canary).st_mtime))
+    sp = tree / STATE_DIR / STATE_FILE
+    doc = json.loads(sp.read_text())
+    doc[field[0]][0][field[1]] = BAD_PATHS[bad](outside)
+    sp.write_text(json.dumps(doc))
+    r = run("verify", "--cpu", "--quick", tree)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "unsafe kvpatch state" in r.output, r.output
+    assert not _read_since(canary, stamp), "verify read a file outside the checkout"

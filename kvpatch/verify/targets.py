@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-STATE = ".kvpatch/state.json"
-ORIGINALS = ".kvpatch/originals"
+from kvpatch.safepath import UnsafePath, inside, is_link, read_regular
+from kvpatch.state import ORIGINALS as _ORIGINALS_DIR, STATE_DIR, STATE_FILE
+
+STATE = f"{STATE_DIR}/{STATE_FILE}"
+ORIGINALS = f"{STATE_DIR}/{_ORIGINALS_DIR}"
 RUNTIME_NAME = "_kvpatch_runtime"
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".kvpatch", ".tox", ".nox",
              ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
@@ -104,10 +107,10 @@ def _scan_patched(root: Path) -> List[str]:
             if not fn.endswith(".py") or fn == f"{RUNTIME_NAME}.py":
                 continue
             p = Path(dirpath) / fn
-            try:
-                if RUNTIME_NAME.encode() in p.read_bytes():
+            try:  # never through a link, never blocking on a FIFO
+                if RUNTIME_NAME.encode() in read_regular(p):
                     found.append(p.relative_to(root).as_posix())
-            except OSError:
+            except (OSError, UnsafePath):
                 continue
     return found
 
@@ -118,13 +121,20 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
     notes: List[str] = []
     entries: List[Dict] = []
     state_path = root / STATE
-    from_state = state_path.is_file()
+    from_state = state_path.is_file() or is_link(state_path)
     if from_state:
-        try:
-            state = json.loads(state_path.read_text())
+        try:  # a fork may ship a state: never through a link, and every path it names is checked
+            state = json.loads(read_regular(state_path).decode("utf-8"))
             entries = list(state.get("files") or [])
+            for e in entries:
+                inside(root, e.get("path"), "patched file")
+                if e.get("original_copy") is not None:
+                    inside(root, e["original_copy"], f"original copy of {e.get('path')}")
             notes.append(f"targets from {STATE}")
-        except (OSError, ValueError) as exc:
+        except UnsafePath as exc:
+            return [Target(STATE, state_path, None, "", state_path,
+                           problem=f"{state_path}: unsafe kvpatch state, nothing was read ({exc})")], notes
+        except (OSError, ValueError, AttributeError) as exc:
             return [Target(STATE, state_path, None, "", state_path,
                            problem=f"unreadable {STATE}: {exc}")], notes
     else:
@@ -144,7 +154,7 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
         if from_state:
             orig = root / (e.get("original_copy") or f"{ORIGINALS}/{rel}")
             if orig.is_file():
-                t.original = orig.read_text(encoding="utf-8")
+                t.original = read_regular(orig).decode("utf-8")
                 t.original_from = orig.relative_to(root).as_posix()
             else:
                 t.problem = f"original copy {orig.relative_to(root).as_posix()} is missing"
@@ -154,7 +164,7 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
             if t.original is None:
                 t.problem = f"original of {rel} not found ({t.original_from})"
                 continue
-        patched = path.read_text(encoding="utf-8")
+        patched = read_regular(path).decode("utf-8")
         try:
             is_backend = defines_backend(patched)
         except SyntaxError as exc:
@@ -168,6 +178,6 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
         elif RUNTIME_NAME in t.original:
             t.problem = (f"the original of {rel} ({t.original_from}) already imports "
                          f"{RUNTIME_NAME}: not an unpatched original")
-        elif not t.runtime.is_file():
+        elif not t.runtime.is_file() or is_link(t.runtime):
             t.problem = f"runtime {t.runtime.relative_to(root).as_posix()} is missing"
     return targets, notes
