@@ -373,3 +373,49 @@ def test_recover_killed_at_each_of_its_steps_recovers_when_run_again(tmp_path, m
             break
         k += 1
     assert k >= 3  # restores, scratch removals and git commands were all kill points
+
+
+# --- on real SGLang checkouts (opt-in, like tests/test_real_sglang.py) ---------------------
+
+REAL_KILLS = 5
+
+
+def _real_checkouts():
+    from test_real_sglang import CHECKOUTS, SKIP_REASON
+
+    return [pytest.param(c, id=Path(c).name) for c in CHECKOUTS] or [
+        pytest.param(None, id="no-checkouts", marks=pytest.mark.skip(reason=SKIP_REASON))]
+
+
+@pytest.mark.real_sglang
+@pytest.mark.parametrize("checkout", _real_checkouts())
+@pytest.mark.parametrize("cmd", ["apply", "revert"])
+def test_kill_at_random_instants_on_a_real_checkout(tmp_path, checkout, cmd):
+    """The issue's own trial: kill -9 at random instants on a real SGLang git checkout
+    (a shared clone of it, so the checkout itself is only read)."""
+    pristine = tmp_path / "pristine"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", checkout, str(pristine)], check=True)
+    git(pristine, "checkout", "-q", "--detach", git(Path(checkout), "rev-parse", "HEAD"))
+    git(pristine, "switch", "-q", "-c", "main")
+    git(pristine, "config", "user.name", "tester")
+    git(pristine, "config", "user.email", "tester@example.com")
+    if cmd == "revert":
+        r = run("apply", pristine)
+        assert r.exit_code == 0, r.output
+    before = whole(pristine)
+    golden = tmp_path / "golden"
+    shutil.copytree(pristine, golden, symlinks=True)
+    t0 = time.monotonic()
+    p = start(cmd, golden)
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err
+    wall, after = time.monotonic() - t0, whole(golden)
+    for seed in range(REAL_KILLS):
+        root = tmp_path / f"k{seed}"
+        shutil.copytree(pristine, root, symlinks=True)
+        p = start(cmd, root)
+        time.sleep(random.Random(f"real{cmd}{seed}").uniform(0.3 * wall, 1.1 * wall))
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate(timeout=60)
+        after_kill(root, before, after, f"{cmd} on {Path(checkout).name} killed at random (seed {seed})")
+        shutil.rmtree(root)
