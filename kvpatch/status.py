@@ -54,6 +54,10 @@ class Status:
                 "errors": [asdict(p) for p in self.errors]}
 
 
+def _unindented(text: str) -> str:
+    return "\n" + "\n".join(line.strip() for line in text.splitlines()) + "\n"
+
+
 def status(root: Path, select=None) -> Status:
     return _status(root.resolve(), select)
 
@@ -106,9 +110,12 @@ def _verdict(root: Path, st, scan) -> Status:
         if h == f.original_sha256:
             missing.append(Place(f.path, "back to the original bytes (patch removed by hand)"))
             continue
-        text = cur.decode("utf-8", errors="replace")
+        # state.json keeps each rewritten statement dedented; the file has it indented
+        # (and maybe with CRLF): compare line by line without the indentation, so an
+        # edit elsewhere in the file is not drift.
+        text = _unindented(cur.decode("utf-8", errors="replace"))
         for s in f.sites:
-            if s.rewritten and s.rewritten not in text:
+            if s.rewritten and _unindented(s.rewritten) not in text:
                 drift.append(Place(f.path, f"{s.qualname}: the rewritten {s.kind} was edited "
                                            f"(expected `{s.rewritten.splitlines()[0].strip()}`)", s.line))
     for r in st.runtime_files:

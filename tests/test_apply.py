@@ -173,3 +173,17 @@ def test_verify_without_a_patch(example):
     pytest.importorskip("torch", reason="verify needs torch (pip install kvpatch[test])")
     r = run("verify", "--cpu", "--quick", example)
     assert r.exit_code == 2 and "no patched file found" in r.output
+
+
+def test_an_edit_outside_the_patched_regions_is_not_drift(example):
+    """Issue 10 item 5: a comment added on line 1 of a patched file left every region
+    intact, yet status said drifted (state.json keeps the statements dedented)."""
+    assert run("apply", example).exit_code == 0
+    p = example / FI_MLA
+    p.write_text("# a note of the user's\n" + p.read_text())
+    st = run("status", "--json", example)
+    assert st.exit_code == 0 and json.loads(st.stdout)["state"] == "patched", st.output
+    # ... while an edit inside a patched region still is.
+    p.write_text(p.read_text().replace("_kvpatch_rt.kv_for_kernel(", "_kvpatch_rt.kv_for_kernel_x(", 1))
+    st = run("status", "--json", example)
+    assert st.exit_code == 3 and json.loads(st.stdout)["state"] == "drifted", st.output
