@@ -478,6 +478,17 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
 
     root = _root(path, out).resolve()
     t0 = time.perf_counter()
+    from kvpatch.safepath import UnsafePath
+    from kvpatch.verify.targets import has_state, state_entries
+
+    try:  # an unsafe state is refused first, with torch or without
+        if has_state(root):
+            state_entries(root)
+    except UnsafePath as exc:
+        out.error(f"unsafe kvpatch state, nothing was read: {exc}")
+        sys.exit(EXIT_ERROR)
+    except (OSError, ValueError, AttributeError):
+        pass  # unreadable: verify reports it as the target's problem
     try:
         import torch  # noqa: F401
     except ImportError:

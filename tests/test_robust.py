@@ -54,9 +54,18 @@ def test_deep_nesting_is_unparseable_and_others_go_on(tmp_path, name, cmd):
     out = r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert "Traceback" not in out and "maximum recursion depth" not in out, out
-    # apply wrote the other file: 5 (partial, the skipped one named); audit/status: 2
-    assert r.exit_code == (EXIT_PARTIAL if cmd == "apply" else EXIT_ERROR), out
-    assert "deep_backend.py" in out, out
+    if "does not parse" in out:
+        assert "deep_backend.py" in out, out
+        # apply wrote the other file: 5 (partial, the skipped one named); audit/status: 2
+        assert r.exit_code == (EXIT_PARTIAL if cmd == "apply" else EXIT_ERROR), out
+    else:
+        # How deep a parser goes depends on the interpreter (3.10 parses the 100k
+        # chain; 3.11+ refuse it). A file that parsed is analysed in full: the
+        # same result as the same file without the deep expression.
+        plain_root, _, _ = _tree(tmp_path / "plain", _site_fn("1"))
+        plain = run(cmd, plain_root)
+        assert r.exit_code == plain.exit_code, (out, plain.output)
+        assert out.count("deep_backend.py") == plain.output.count("deep_backend.py"), (out, plain.output)
     if cmd == "apply":  # the other file is still patched
         assert "_kvpatch_rt.kv_for_kernel(" in fi.read_text()
     elif cmd == "audit":  # the other file is still audited

@@ -115,21 +115,38 @@ def _scan_patched(root: Path) -> List[str]:
     return found
 
 
+def has_state(root: Path) -> bool:
+    """A state file (or a link in its place, which state_entries refuses) exists."""
+    p = Path(root) / STATE
+    return p.is_file() or is_link(p)
+
+
+def state_entries(root: Path) -> List[Dict]:
+    """The file entries of ``root``'s kvpatch state, every path in them checked.
+
+    A fork may ship a state: it is read never through a link, and a path that
+    leaves the checkout raises UnsafePath before anything it names is read.
+    Needs no torch, so the CLI checks this before it asks for torch.
+    """
+    state = json.loads(read_regular(Path(root) / STATE).decode("utf-8"))
+    entries = list(state.get("files") or [])
+    for e in entries:
+        inside(root, e.get("path"), "patched file")
+        if e.get("original_copy") is not None:
+            inside(root, e["original_copy"], f"original copy of {e.get('path')}")
+    return entries
+
+
 def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
     """The files to verify and notes on how they were found."""
     root = Path(root)
     notes: List[str] = []
     entries: List[Dict] = []
     state_path = root / STATE
-    from_state = state_path.is_file() or is_link(state_path)
+    from_state = has_state(root)
     if from_state:
-        try:  # a fork may ship a state: never through a link, and every path it names is checked
-            state = json.loads(read_regular(state_path).decode("utf-8"))
-            entries = list(state.get("files") or [])
-            for e in entries:
-                inside(root, e.get("path"), "patched file")
-                if e.get("original_copy") is not None:
-                    inside(root, e["original_copy"], f"original copy of {e.get('path')}")
+        try:
+            entries = state_entries(root)
             notes.append(f"targets from {STATE}")
         except UnsafePath as exc:
             return [Target(STATE, state_path, None, "", state_path,
