@@ -367,8 +367,11 @@ def recover(out: Out, path, dry_run):
 def _recover(out: Out, root: Path, dry_run: bool, write, refusals) -> None:
     j = write.pending(root)
     if j is None:
-        if not dry_run and write.clear_stale(root):
-            out.echo(f"removed the scratch folder {write.STATE_DIR}/{write.TXN_DIR} of a finished write")
+        stale = write.stale_scratch(root)
+        if stale:
+            out.echo(("would remove" if dry_run else "removed") + " the scratch of a killed write: " + ", ".join(stale))
+            if not dry_run:
+                write.clear_stale(root)
         out.echo("nothing to recover")
         out.info("kvpatch recover: nothing to do")
         sys.exit(EXIT_OK)

@@ -180,14 +180,26 @@ def rollback(root: Path) -> List[str]:
     return restored
 
 
-def clear_stale(root: Path) -> bool:
-    """Remove the scratch a write killed after its journal went leaves behind
-    (.kvpatch/txn/); True if there was some. Only without a journal."""
-    txn = root / STATE_DIR / TXN_DIR
-    if pending(root) is not None or not (txn.exists() or is_link(txn)):
-        return False
-    _cleanup(root)
-    return True
+def stale_scratch(root: Path) -> List[str]:
+    """What a write killed outside its journal's lifetime leaves, with no journal:
+    .kvpatch/txn/ (killed after the journal went), the journal's temp file or an
+    empty .kvpatch/ (killed before the first journal was in place). Nothing in
+    them is needed: no target was touched, or every one was finished."""
+    if pending(root) is not None:
+        return []
+    sd = root / STATE_DIR
+    found = [p for p in (sd / TXN_DIR, tmp_path(journal_path(root))) if p.exists() or is_link(p)]
+    if not found and sd.is_dir() and not is_link(sd) and not any(sd.iterdir()):
+        found.append(sd)
+    return [p.relative_to(root).as_posix() for p in found]
+
+
+def clear_stale(root: Path) -> List[str]:
+    """Remove stale_scratch(root); returns what was removed."""
+    found = stale_scratch(root)
+    if found:
+        _cleanup(root)
+    return found
 
 
 def _remove_dirs(root: Path, dirs: List[str]) -> None:
