@@ -2,7 +2,7 @@
 """Verify real patched SGLang checkouts on a GPU, production-sized.
 
     python3 gpu/verify_real.py CHECKOUT [CHECKOUT ...] [--modes gather,native] [--no-graph]
-                               [--medium] [--out DIR]
+                               [--medium] [--unified] [--out DIR]
 
 Each CHECKOUT is a tree patched by `kvpatch apply` (with .kvpatch/state.json and
 .kvpatch/originals/, or a git checkout whose original is in git). Only the
@@ -19,6 +19,7 @@ FlashInfer JIT-compiles its MLA modules on first plan (20-40 s each).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--medium", action="store_true", help="the smaller default GPU shapes")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "verify_out")))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
+    ap.add_argument("--unified", action="store_true",
+                    help="unified memory: virtual ids in the request table, translated pool rows (0.5.19+)")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -56,6 +59,8 @@ def main(argv=None) -> int:
         log(f"note: {type(exc).__name__}: {exc}")
 
     shapes = GPU_SHAPES if a.medium else BIG_SHAPES
+    if a.unified:
+        shapes = dataclasses.replace(shapes, unified=True)
     reports, text = [], []
     for root in a.roots:
         log(f"verify {root}")

@@ -8,6 +8,7 @@ here skips and says so.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -20,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 from kvpatch.cli import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
+from kvpatch.verify.world import QUICK_SHAPES  # noqa: E402
 from test_releases import FI_MLA_IN_PACKAGE, RELEASES, RELEASES_ENV, _release_root  # noqa: E402
 from test_verify_cpu import SHIFTED, STALE, _wrap_runtime  # noqa: E402
 
@@ -155,3 +157,38 @@ def test_catches_wrong_rows_on_the_speculative_paths(tmp_path_factory, monkeypat
     routes = {(route, exec_) for route, exec_, _ in failed_routes(r)}
     assert {("target_verify:eagle", "eager"), ("target_verify:eagle", "replay"),
             ("target_verify:dflash", "replay"), ("draft_extend:eagle", "eager")} <= routes
+
+
+# --- unified memory: the request table holds virtual ids, the kernel reads translated rows ---
+
+UNIFIED = dataclasses.replace(QUICK_SHAPES, unified=True)
+
+
+@pytest.mark.real_sglang
+@pytest.mark.parametrize("version", ["0.5.19", SPEC_RELEASE])
+def test_release_verifies_under_unified_memory(tmp_path_factory, monkeypatch, version):
+    """Issue 8: correct under unified memory. The rows come from the plan call's
+    (translated) indices, never from req_to_token, so the patched side reads the
+    same pool rows as the original."""
+    r = run_verify(patched_release(version, tmp_path_factory, monkeypatch), modes=("gather",),
+                   device="cpu", quick=True, shapes=UNIFIED)
+    assert r.ok and not r.errors, r.format()
+    assert any("unified memory: the kernels read translated pool rows" in n for n in r.notes), r.notes
+    assert {("decode", "replay"), ("prefill", "eager"), ("target_verify:eagle", "replay")} <= \
+        {(c.route, c.exec) for c in r.cases if c.passed}, r.format()
+
+
+@pytest.mark.real_sglang
+def test_catches_wrong_rows_under_unified_memory(tmp_path_factory, monkeypatch):
+    root = patched_release(SPEC_RELEASE, tmp_path_factory, monkeypatch, SHIFTED)
+    r = run_verify(root, modes=("gather",), device="cpu", quick=True, shapes=UNIFIED)
+    assert not r.ok and not r.errors, r.format()
+    assert {"decode", "prefill", "target_verify:eagle"} <= {c.route for c in r.failures}, r.format()
+
+
+@pytest.mark.real_sglang
+def test_unified_memory_on_a_release_without_a_translator_is_not_called_verified(
+        tmp_path_factory, monkeypatch):
+    r = run_verify(patched_release(RELEASES[0], tmp_path_factory, monkeypatch), modes=("gather",),
+                   device="cpu", quick=True, shapes=UNIFIED)
+    assert "unified memory not exercised" in r.format(), r.format()

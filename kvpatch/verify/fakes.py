@@ -12,7 +12,6 @@ SGLang's does, since the CUDA-graph replay paths rely on that.
 from __future__ import annotations
 
 import enum
-import types
 from typing import Optional
 
 import torch
@@ -61,25 +60,34 @@ class KVLocPlan:
 
 
 class Translator:
-    """SGLang's KVIndexTranslator (0.5.19+) for a static pool: every read is the
-    ``req_to_token`` passthrough, nothing is translated. One method per name
-    the releases call (build_index_table / index_table_for_batch of 0.5.19,
-    fill_packed_read_stream of 0.5.20, pack_read_stream / read_source of 0.5.22+)."""
+    """SGLang's KVIndexTranslator (0.5.19+). With no ``v2p``, a static pool: every
+    read is the ``req_to_token`` passthrough. With ``v2p`` (unified memory), the
+    request table holds virtual ids and every read stream it packs is translated
+    to pool rows, as SGLang's translating reader does (pack_read_stream returns
+    True: the ids are physical). One method per name the releases call
+    (build_index_table / index_table_for_batch of 0.5.19, fill_packed_read_stream
+    of 0.5.20, pack_read_stream / read_source of 0.5.22+)."""
 
-    is_translating = False
-    needs_read_translate = False
-    reads_are_translated = False
     full_v2p_table = None
 
-    def __init__(self, req_to_token: torch.Tensor):
+    def __init__(self, req_to_token: torch.Tensor, v2p: Optional[torch.Tensor] = None):
         self.req_to_token = req_to_token
+        self.v2p = v2p
+        self.is_translating = self.needs_read_translate = self.reads_are_translated = v2p is not None
+        self.translated = 0  # ids translated so far: a unified case that translated none proves nothing
+
+    def translate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Virtual ids -> pool rows (the identity on a static pool)."""
+        if self.v2p is None:
+            return ids
+        self.translated += int(ids.numel())
+        return self.v2p[ids.long()].to(ids.dtype)
 
     def table(self, req_pool_indices):
-        """KVIndexTable of the passthrough (ids[row_ids[b] * row_stride + j])."""
-        return types.SimpleNamespace(
-            ids=self.req_to_token, row_ids=req_pool_indices,
-            row_stride=self.req_to_token.stride(0), entry_page_size=1, is_translated=False,
-            v2p=None)
+        """KVIndexTable of the request rows (ids[row_ids[b] * row_stride + j]): the
+        passthrough, or under unified memory a read table already translated to
+        pool rows (what a translating reader hands the index kernels)."""
+        return _IndexTable(self, req_pool_indices)
 
     def build_index_table(self, *, req_pool_indices, seq_lens=None, **_):
         return self.table(req_pool_indices)
@@ -102,7 +110,11 @@ class Translator:
             raise NotImplementedError("verify fakes: SWA token_mapping is not modelled")
         KV_INDICES_KERNEL(self.req_to_token, req_pool_indices, seq_lens, indptr, kv_start_idx,
                           out)
-        return False
+        if self.v2p is None:
+            return False
+        n = int(indptr[int(seq_lens.numel())])
+        out[:n] = self.translate(out[:n])
+        return True
 
     def fill_packed_read_stream(self, *, req_pool_indices, seq_lens, indptr, out,
                                 kv_start_idx=None, **_):
@@ -111,7 +123,26 @@ class Translator:
                                      kv_start_idx=kv_start_idx)
 
     def translate_dcp_read_ids(self, ids):
-        return ids
+        return self.translate(ids)
+
+
+class _IndexTable:
+    """A KVIndexTable whose ids are translated when a kernel reads them, so that
+    a table built and never read (a release that takes no kv_view) counts no
+    translation."""
+
+    entry_page_size = 1
+    v2p = None
+
+    def __init__(self, translator: Translator, req_pool_indices):
+        self._translator = translator
+        self.row_ids = req_pool_indices
+        self.row_stride = translator.req_to_token.stride(0)
+        self.is_translated = translator.v2p is not None
+
+    @property
+    def ids(self):
+        return self._translator.translate(self._translator.req_to_token)
 
 
 class SpecInputType(enum.IntEnum):
@@ -147,7 +178,7 @@ class SpecInput:
     def is_verify_input(self):
         return False
 
-    def _indices(self, req_pool_indices, kv_lens, out=None):
+    def _indices(self, req_pool_indices, kv_lens, out=None, translator=None):
         bs = int(kv_lens.numel())
         indptr = torch.zeros((bs + 1,), dtype=torch.int32, device=req_pool_indices.device)
         indptr[1:] = torch.cumsum(kv_lens, dim=0)
@@ -155,6 +186,9 @@ class SpecInput:
             out = torch.empty((int(kv_lens.sum()),), dtype=torch.int32,
                               device=req_pool_indices.device)
         KV_INDICES_KERNEL(self.req_to_token, req_pool_indices, kv_lens, indptr, None, out)
+        if translator is not None and translator.v2p is not None:  # 0.5.19+: through the translator
+            n = int(indptr[-1])
+            out[:n] = translator.translate(out[:n])
         return out, indptr
 
 
@@ -174,7 +208,7 @@ class EagleVerifyInput(SpecInput):
 
     def generate_attn_arg_prefill(self, req_pool_indices, paged_kernel_lens,
                                   paged_kernel_lens_sum=None, req_to_token=None, *,
-                                  kv_indices_buf=None, kv_start_idx=None, **_):
+                                  kv_indices_buf=None, kv_start_idx=None, translator=None, **_):
         # Old releases pass req_to_token positionally, new ones translator= and
         # plan=: the rows are the same req_to_token rows either way.
         self.calls.append("generate_attn_arg_prefill"
@@ -186,7 +220,7 @@ class EagleVerifyInput(SpecInput):
         qo_indptr = torch.arange(0, (bs + 1) * n, n, dtype=torch.int32,
                                  device=req_pool_indices.device)
         kv_indices, kv_indptr = self._indices(req_pool_indices, paged_kernel_lens + n,
-                                              out=kv_indices_buf)
+                                              out=kv_indices_buf, translator=translator)
         return kv_indices, kv_indptr, qo_indptr, self.custom_mask
 
 
@@ -204,12 +238,12 @@ class EagleDraftInput(SpecInput):
         return True
 
     def generate_attn_arg_prefill(self, req_pool_indices, paged_kernel_lens,
-                                  paged_kernel_lens_sum=None, req_to_token=None, **_):
+                                  paged_kernel_lens_sum=None, req_to_token=None, translator=None, **_):
         self.calls.append("generate_attn_arg_prefill")
         bs = int(self.accept_length.numel())
         qo_indptr = torch.zeros((bs + 1,), dtype=torch.int32, device=req_pool_indices.device)
         qo_indptr[1:] = torch.cumsum(self.accept_length, dim=0)
-        kv_indices, kv_indptr = self._indices(req_pool_indices, paged_kernel_lens)
+        kv_indices, kv_indptr = self._indices(req_pool_indices, paged_kernel_lens, translator=translator)
         return kv_indices, kv_indptr, qo_indptr, None
 
 

@@ -219,6 +219,14 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
         for c in report.cases[n_before:]:
             if c.failed:
                 log(f"  FAIL {c.site} [{c.label()}]: {c.message}")
+    if world.v2p is not None:
+        n = min(orig.translator.translated, pat.translator.translated)
+        if n:
+            report.notes.append(f"{t.rel}: unified memory: the kernels read translated pool rows "
+                                f"({n} ids translated per side)")
+        else:
+            report.add_reason(f"{t.rel}: unified memory not exercised: the backend never reads "
+                              f"through a KV index translator (before 0.5.19)")
     rt.reset()
 
 

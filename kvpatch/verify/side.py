@@ -93,7 +93,7 @@ class Side:
         # (graph capture), names its plan site and records what run() receives.
         self.Wrapper = _instrumented(wrapper_cls, self)
         setattr(module, WRAPPER_NAME, self.Wrapper)
-        self.translator = fakes.Translator(world.req_to_token)
+        self.translator = fakes.Translator(world.req_to_token, world.v2p)
         self.kv_plan = fakes.KVLocPlan()
         ws_bytes = 384 * 1024 * 1024 if dev.type == "cuda" else 1024
         self.workspace = torch.empty((ws_bytes,), dtype=torch.uint8, device=dev)

@@ -57,6 +57,10 @@ class Shapes:
     prefill: List[PrefillShape]
     seed: int = 0
     spec: List[SpecShape] = field(default_factory=list)
+    # Unified memory (0.5.19+ KV index translator): request tables hold virtual
+    # ids and the translator maps them to pool rows through a permutation, so
+    # the kernel reads rows that req_to_token never names.
+    unified: bool = False
 
 
 CPU_SHAPES = Shapes(
@@ -147,6 +151,10 @@ class World:
         self.pool = Pool(self.store)
         self.req_to_token = torch.zeros((self.max_reqs, self.max_ctx), dtype=torch.int32,
                                         device=device)
+        self.v2p: Optional[torch.Tensor] = None  # virtual id -> pool row; slot 0 stays 0
+        if shapes.unified:
+            perm = torch.randperm(self.slots - 1, generator=self.gen, device=device) + 1
+            self.v2p = torch.cat([torch.zeros((1,), dtype=perm.dtype, device=device), perm]).to(torch.int32)
 
     def pool_ptr(self) -> int:
         return self.store.untyped_storage().data_ptr()
