@@ -2,7 +2,7 @@
 """Verify real patched SGLang checkouts on a GPU, production-sized.
 
     python3 gpu/verify_real.py CHECKOUT [CHECKOUT ...] [--modes gather,native] [--no-graph]
-                               [--medium] [--unified] [--out DIR]
+                               [--medium] [--unified] [--dcp N] [--out DIR]
 
 Each CHECKOUT is a tree patched by `kvpatch apply` (with .kvpatch/state.json and
 .kvpatch/originals/, or a git checkout whose original is in git). Only the
@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--medium", action="store_true", help="the smaller default GPU shapes")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "verify_out")))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
+    ap.add_argument("--dcp", type=int, default=1, help="verify as one rank of this many DCP ranks (decode)")
+    ap.add_argument("--dcp-rank", type=int, default=1)
     ap.add_argument("--unified", action="store_true",
                     help="unified memory: virtual ids in the request table, translated pool rows (0.5.19+)")
     a = ap.parse_args(argv)
@@ -61,6 +63,8 @@ def main(argv=None) -> int:
     shapes = GPU_SHAPES if a.medium else BIG_SHAPES
     if a.unified:
         shapes = dataclasses.replace(shapes, unified=True)
+    if a.dcp > 1:
+        shapes = dataclasses.replace(shapes, dcp=a.dcp, dcp_rank=a.dcp_rank)
     reports, text = [], []
     for root in a.roots:
         log(f"verify {root}")

@@ -192,3 +192,37 @@ def test_unified_memory_on_a_release_without_a_translator_is_not_called_verified
     r = run_verify(patched_release(RELEASES[0], tmp_path_factory, monkeypatch), modes=("gather",),
                    device="cpu", quick=True, shapes=UNIFIED)
     assert "unified memory not exercised" in r.format(), r.format()
+
+
+# --- decode context parallelism: one rank's shard of every request ---------------------------
+
+
+def dcp_shapes(rank):
+    return dataclasses.replace(QUICK_SHAPES, dcp=2, dcp_rank=rank)
+
+
+@pytest.mark.real_sglang
+@pytest.mark.parametrize("version,rank", [(RELEASES[0], 1), (SPEC_RELEASE, 0), (SPEC_RELEASE, 1)])
+def test_release_verifies_under_dcp(tmp_path_factory, monkeypatch, version, rank):
+    """Issue 8: correct under DCP. SGLang's DCP planner shards kv_indices and
+    rewrites kv_indptr in place before the plan call; the runtime takes its rows
+    from that plan call, so it gathers exactly this rank's shard (pool rows from
+    the planner itself before 0.5.19, from the translator after)."""
+    r = run_verify(patched_release(version, tmp_path_factory, monkeypatch), modes=("gather",),
+                   device="cpu", quick=True, shapes=dcp_shapes(rank))
+    assert r.ok and not r.errors, r.format()
+    assert any(f"DCP rank {rank} of 2" in n for n in r.notes), r.notes
+    assert {("decode", "eager"), ("decode", "replay")} <= {(c.route, c.exec) for c in r.cases if c.passed}
+    # What DCP does not run is skipped with the reason, never passed.
+    assert all("not run under DCP" in c.message for c in r.skipped if c.route != "decode")
+    from kvpatch.verify import fakes, stubs
+    assert fakes.DCP.size == 1 and not stubs.PARALLEL.dcp_enabled, "DCP left on after the run"
+
+
+@pytest.mark.real_sglang
+def test_catches_stale_count_under_dcp(tmp_path_factory, monkeypatch):
+    root = patched_release(SPEC_RELEASE, tmp_path_factory, monkeypatch, STALE)
+    r = run_verify(root, modes=("gather",), device="cpu", quick=True, shapes=dcp_shapes(1))
+    assert not r.ok and not r.errors, r.format()
+    assert ("decode", "replay", "longer") in failed_routes(r), r.format()
+

@@ -73,8 +73,12 @@ class Translator:
     def __init__(self, req_to_token: torch.Tensor, v2p: Optional[torch.Tensor] = None):
         self.req_to_token = req_to_token
         self.v2p = v2p
-        self.is_translating = self.needs_read_translate = self.reads_are_translated = v2p is not None
+        self.is_translating = self.reads_are_translated = v2p is not None
         self.translated = 0  # ids translated so far: a unified case that translated none proves nothing
+
+    @property
+    def needs_read_translate(self) -> bool:
+        return self.is_translating or DCP.size > 1
 
     def translate(self, ids: torch.Tensor) -> torch.Tensor:
         """Virtual ids -> pool rows (the identity on a static pool)."""
@@ -123,6 +127,10 @@ class Translator:
                                      kv_start_idx=kv_start_idx)
 
     def translate_dcp_read_ids(self, ids):
+        """Widened read ids -> pool rows: ``// dcp_size`` is the DCP part (0.5.19+)."""
+        if DCP.size > 1:
+            DCP.translated += int(ids.numel())
+            ids = ids // DCP.size
         return self.translate(ids)
 
 
@@ -143,6 +151,50 @@ class _IndexTable:
     @property
     def ids(self):
         return self._translator.translate(self._translator.req_to_token)
+
+
+# --- decode context parallelism (DCP): one rank of DCP.size -----------------------------
+# Token position j of a request lives on rank j % size, at the widened id
+# row * size + j % size (row: that rank's pool row). A rank's decode plans only
+# its own tokens: SGLang's plan_dcp_decode_metadata compacts them in place, and
+# turns them into pool rows itself (before 0.5.19) or leaves that to
+# translate_dcp_read_ids (0.5.19+, ``planner_translates`` False).
+
+
+class _Dcp:
+    size, rank, planner_translates, translated = 1, 0, True, 0
+
+
+DCP = _Dcp()
+
+
+def dcp_local_lens(lens: torch.Tensor) -> torch.Tensor:
+    """Tokens of each request on this rank: len // size + (rank < len % size)."""
+    return lens // DCP.size + (DCP.rank < lens % DCP.size).to(lens.dtype)
+
+
+def update_local_kv_lens_for_dcp(kv_len_arr):
+    if DCP.size > 1:
+        kv_len_arr.copy_(dcp_local_lens(kv_len_arr))
+
+
+def plan_dcp_decode_metadata(kv_lens, kv_indptr, kv_indices, init_metadata_replay=False,
+                             fast_decode_kwargs=None, bs=None, *_, **__):
+    """Shard a decode batch's kv_indices to this rank in place (host loop, at plan
+    time as SGLang's runs); kv_lens and kv_indptr become the per-rank ones."""
+    bs = int(kv_lens.numel()) if bs is None else int(bs)
+    local = dcp_local_lens(kv_lens[:bs].clone())
+    starts = kv_indptr[: bs + 1].tolist()
+    parts = [kv_indices[starts[b]: starts[b + 1]][DCP.rank:: DCP.size] for b in range(bs)]
+    ids = torch.cat(parts) if parts else kv_indices[:0]
+    if DCP.planner_translates:
+        ids = ids // DCP.size
+        DCP.translated += int(ids.numel())
+    n = int(ids.numel())
+    kv_indices[:n] = ids
+    kv_lens[:bs].copy_(local)
+    kv_indptr[1: bs + 1] = torch.cumsum(local, dim=0).to(kv_indptr.dtype)
+    return n
 
 
 class SpecInputType(enum.IntEnum):

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import stubs
+from . import fakes, stubs
 from .reference import make_flashinfer_stub
 from .report import SKIPPED, CaseResult, VerifyReport
 from .fakes import DRAFT_EXTEND, TARGET_VERIFY
@@ -104,6 +104,7 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
         shapes = QUICK_SHAPES if quick else (GPU_SHAPES if dev.type == "cuda" else CPU_SHAPES)
 
     saved_mode = os.environ.get("KVPATCH_MODE")
+    stubs.set_dcp(shapes.dcp, shapes.dcp_rank)
     sandbox = stubs.Sandbox(flashinfer_stub=None if fi is not None else make_flashinfer_stub())
     try:
         with sandbox, torch.no_grad():
@@ -125,6 +126,7 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
                     report.errors.append(f"{t.rel}: verify harness error {type(exc).__name__}: {exc}"
                                          f" (at {where.filename}:{where.lineno})")
     finally:
+        stubs.set_dcp(1)
         if saved_mode is None:
             os.environ.pop("KVPATCH_MODE", None)
         else:
@@ -161,6 +163,13 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
         report.errors.append(str(exc))
         return
     report.files.append(t.rel)
+    # Before 0.5.19 the DCP planner itself turns widened ids into pool rows; from
+    # then on the backend asks its translator to.
+    stubs.set_dcp(world.dcp, shapes.dcp_rank, planner_translates="translate_dcp_read_ids" not in t.original)
+    fakes.DCP.translated = 0
+    if world.dcp > 1 and "plan_dcp_decode_metadata" not in t.original:
+        report.add_reason(f"{t.rel}: DCP not exercised: this backend has no DCP decode planner")
+        return
     v = FileVerifier(t, orig, pat, rt, world, kernel, report)
     log(f"{t.rel}: original from {t.original_from}, kernel {kernel}")
     v.guard_selfcheck(world.batch([33, 7], 16, label="selfcheck"))
@@ -194,8 +203,8 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
         for s in shapes.prefill:
             seq = [p + e for p, e in zip(s.prefix, s.extend)]
             label = f"bs={len(seq)} heads={s.heads} prefix={list(s.prefix)} extend={list(s.extend)}"
-            if skip:
-                _skip(report, t, "prefill", mode, "eager", label, skip)
+            if skip or world.dcp > 1:
+                _skip(report, t, "prefill", mode, "eager", label, skip or DCP_DECODE_ONLY)
                 continue
             log(f"  {mode} prefill eager {label}")
             v.eager(False, mode, world.batch(seq, s.heads, prefix=s.prefix, label=label))
@@ -203,11 +212,12 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
             for kind in (TARGET_VERIFY, DRAFT_EXTEND):
                 label = f"bs={s.bs} heads={s.heads} tokens={s.tokens}"
                 variants = [EAGLE, DFLASH] if kind == TARGET_VERIFY else [EAGLE]
-                if skip:
-                    _skip(report, t, kind, mode, "eager", label, skip, EAGLE)
+                if skip or world.dcp > 1:
+                    why = skip or DCP_DECODE_ONLY
+                    _skip(report, t, kind, mode, "eager", label, why, EAGLE)
                     for variant in variants if graph else []:
                         _skip(report, t, kind, mode, "graph" if v.capture else "replay", label,
-                              skip, variant)
+                              why, variant)
                     continue
                 log(f"  {mode} {kind} eager {label}")
                 v.spec_eager(kind, mode, s)
@@ -219,6 +229,12 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
         for c in report.cases[n_before:]:
             if c.failed:
                 log(f"  FAIL {c.site} [{c.label()}]: {c.message}")
+    if world.dcp > 1:
+        if fakes.DCP.translated:
+            report.notes.append(f"{t.rel}: DCP rank {shapes.dcp_rank} of {world.dcp}: the decode kernels "
+                                f"read this rank's shard ({fakes.DCP.translated} ids localised)")
+        else:
+            report.add_reason(f"{t.rel}: DCP not exercised: no decode plan went through the DCP planner")
     if world.v2p is not None:
         n = min(orig.translator.translated, pat.translator.translated)
         if n:
@@ -228,6 +244,10 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
             report.add_reason(f"{t.rel}: unified memory not exercised: the backend never reads "
                               f"through a KV index translator (before 0.5.19)")
     rt.reset()
+
+
+DCP_DECODE_ONLY = ("not run under DCP: SGLang's DCP prefill reads its own gathered buffer "
+                   "(attn_dcp_metadata) and speculative plans are off; verified without DCP")
 
 
 def _skip(report, t, path, mode, exec_, label, why, variant=""):

@@ -104,6 +104,16 @@ PARALLEL = Namespace(
     attn_dcp_rank=0, dcp_size=1, dcp_rank=0, tp_size=1, tp_rank=0, dp_size=1,
 )
 
+def set_dcp(size: int, rank: int = 0, planner_translates: bool = True) -> None:
+    """Run the next cases as DCP rank ``rank`` of ``size`` (1: no DCP)."""
+    fakes.DCP.size, fakes.DCP.rank, fakes.DCP.planner_translates = size, rank, planner_translates
+    for f in ("attn_dcp_size", "dcp_size"):
+        setattr(PARALLEL, f, size)
+    for f in ("attn_dcp_rank", "dcp_rank"):
+        setattr(PARALLEL, f, rank)
+    PARALLEL.dcp_enabled = size > 1
+
+
 # By attribute name, whichever sglang module it is imported from (these names
 # moved between modules across SGLang versions; the names stayed).
 REAL: Dict[str, object] = {
@@ -118,9 +128,11 @@ REAL: Dict[str, object] = {
     "get_parallel": lambda: PARALLEL,
     "get_attention_tp_size": lambda: 1,
     "get_attention_tp_rank": lambda: 0,
-    "get_attention_dcp_world_size": lambda: 1,
-    "get_attention_dcp_rank": lambda: 0,
-    "dcp_enabled": lambda: False,
+    "get_attention_dcp_world_size": lambda: fakes.DCP.size,
+    "get_attention_dcp_rank": lambda: fakes.DCP.rank,
+    "dcp_enabled": lambda: fakes.DCP.size > 1,
+    "update_local_kv_lens_for_dcp": fakes.update_local_kv_lens_for_dcp,
+    "plan_dcp_decode_metadata": fakes.plan_dcp_decode_metadata,
     "is_sm100_supported": lambda *a, **k: False,
     "is_sm90_supported": lambda *a, **k: torch.cuda.is_available()
     and torch.cuda.get_device_capability()[0] == 9,

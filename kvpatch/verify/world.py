@@ -61,6 +61,10 @@ class Shapes:
     # ids and the translator maps them to pool rows through a permutation, so
     # the kernel reads rows that req_to_token never names.
     unified: bool = False
+    # Decode context parallelism: verify as rank dcp_rank of dcp ranks (decode only:
+    # under DCP prefill reads its own gathered buffer and speculative plans are off).
+    dcp: int = 1
+    dcp_rank: int = 0
 
 
 CPU_SHAPES = Shapes(
@@ -152,6 +156,9 @@ class World:
         self.req_to_token = torch.zeros((self.max_reqs, self.max_ctx), dtype=torch.int32,
                                         device=device)
         self.v2p: Optional[torch.Tensor] = None  # virtual id -> pool row; slot 0 stays 0
+        self.dcp = shapes.dcp
+        if shapes.dcp > 1 and shapes.unified:
+            raise HarnessError("verify models DCP and unified memory one at a time")
         if shapes.unified:
             perm = torch.randperm(self.slots - 1, generator=self.gen, device=device) + 1
             self.v2p = torch.cat([torch.zeros((1,), dtype=perm.dtype, device=device), perm]).to(torch.int32)
@@ -178,7 +185,10 @@ class World:
         rows = torch.randperm(self.max_reqs, generator=g, device=d)[:bs]
         off = 0
         for r, n in zip(rows.tolist(), seq_lens):
-            self.req_to_token[r, :n] = slots[off: off + n]
+            ids = slots[off: off + n]
+            if self.dcp > 1:  # widened: position j on rank j % dcp, at row * dcp + j % dcp
+                ids = ids * self.dcp + torch.arange(n, device=d, dtype=ids.dtype) % self.dcp
+            self.req_to_token[r, :n] = ids
             off += n
         nq = sum(s - p for s, p in zip(seq_lens, prefix))
         q_nope = torch.randn((nq, heads, KV_LORA), generator=g, device=d).to(Q_DTYPE)
