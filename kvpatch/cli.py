@@ -331,6 +331,8 @@ def revert(out: Out, path, force, no_commit, allow_dirty, no_verify):
         sys.exit(EXIT_ERROR)
     if res.notice:
         out.info(res.notice)
+    for rel in res.kept_edits:
+        out.echo(f"{rel}: edited since apply; kvpatch's rewrite taken back, your edits kept")
     out.echo(f"restored {len(res.restored)} file(s), removed {len(res.removed)} runtime file(s)"
              + (f"; commit {res.commit[:12]}" if res.commit else ""))
     out.info(f"kvpatch revert: {len(res.restored)} restored, {len(res.removed)} removed; "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, gittxn, lock, write
+from kvpatch import RULESET_VERSION, __version__, checkout, gittxn, lock, reverse, write
 from kvpatch.engine import ScanResult, analyze_source, scan_tree
 from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
@@ -306,6 +306,7 @@ class RevertResult:
     commit: Optional[str]
     git: bool
     notice: str = ""
+    kept_edits: List[str] = field(default_factory=list)  # restored with the user's later edits kept
 
 
 def revert(root: Path, **kw) -> RevertResult:
@@ -329,7 +330,7 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
             raise PatchError(f"the git tree has uncommitted changes ({dirty[0]}...): commit or stash them, "
                              f"or pass --allow-dirty / --no-commit")
     writes: List[write.FileWrite] = []
-    restored, removed = [], []
+    restored, removed, edited = [], [], []
     for f in st.files:
         p = root / f.path
         cur = read_regular(p) if p.exists() else None
@@ -337,6 +338,13 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
         if sha256(orig) != f.original_sha256:
             raise PatchError(f"{f.original_copy}: the recorded original was modified; refusing to restore it")
         if cur is not None and sha256(cur) not in (f.patched_sha256, f.original_sha256) and not force:
+            kept = _reverse_edited(f, cur, orig)
+            if kept is not None:  # edited elsewhere: the rewrite is taken back, the edits stay
+                writes.append(write.FileWrite(f.path, kept))
+                writes.append(write.FileWrite(f.original_copy, None))
+                restored.append(f.path)
+                edited.append(f.path)
+                continue
             raise PatchError(f"{f.path} was edited since apply (drift): `kvpatch status` shows where; "
                              f"pass --force to restore the original anyway (your edits are kept in "
                              f"{f.path}.kvpatch-drifted)")
@@ -376,7 +384,14 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
 
     _write_and_commit(root, writes, "revert", finish, _git_record(info, no_commit))
     _prune_empty(root / STATE_DIR)
-    return RevertResult(restored, removed, commit_sha, info is not None, notice)
+    return RevertResult(restored, removed, commit_sha, info is not None, notice, edited)
+
+
+def _reverse_edited(f, cur: bytes, orig: bytes) -> Optional[bytes]:
+    """`cur` (edited since apply) with kvpatch's rewrite taken back, or None."""
+    rules_used = sorted({s.rule for s in f.sites if s.rule})
+    patched = reverse.rebuild_patched(f.path, orig, f.patched_sha256, (None, rules_used or None))
+    return None if patched is None else reverse.reverse_patch(cur, patched, orig)
 
 
 def _revert_commit(info, root: Path, writes: List[write.FileWrite], restored: int, removed: int,
