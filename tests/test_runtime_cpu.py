@@ -641,3 +641,42 @@ def test_triton_kernel_under_interpreter():
     counts = [int(x) for x in res.stdout.split()[:-2]]
     assert len(counts) == 12 and all(counts[:-1]) and counts[-1] == 0, res.stdout
     assert "INTERPRETED OK" in res.stdout
+
+
+@pytest.mark.parametrize("cast", ["gather", "pages"])
+def test_a_triton_launch_that_fails_falls_back_to_torch_once_and_is_not_retried(rt, monkeypatch, caplog, cast):
+    """Both casts share one fallback: under "auto" a failed kernel launch is warned
+    about once, the torch path gives the same bytes, and the key is not tried again;
+    under backend="triton" the failure is raised."""
+    src = torch.randn(64, 1, 8).to(FP8)
+    launches = []
+
+    def broken(*a, **k):
+        launches.append(1)
+        raise RuntimeError("no ptxas here")
+
+    monkeypatch.setattr(rt, "_triton_ok", lambda *a: True)
+    monkeypatch.setattr(rt, "_get_page_kernel", lambda: object())
+    monkeypatch.setattr(rt, "_launch" if cast == "gather" else "_launch_pages", broken)
+    monkeypatch.setattr(rt.torch.Tensor, "is_cuda", property(lambda t: True))
+    idx = torch.tensor([3, 9, 40], dtype=torch.int32)
+    table = torch.tensor([[3, 9]], dtype=torch.int32)
+
+    def run(backend="auto"):
+        dst = torch.zeros(64, 1, 8, dtype=BF16)
+        if cast == "gather":
+            path = rt.gather_cast(src, dst, idx, torch.tensor([0, 3], dtype=torch.int32), 1, backend=backend)
+        else:
+            path = rt.page_cast(src, dst, table, None, 4, backend=backend)
+        return path, dst
+
+    rows = [3, 9, 40] if cast == "gather" else [*range(12, 16), *range(36, 40)]
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            path, dst = run()
+            assert path == "torch" and torch.equal(dst[rows], src[rows].to(BF16))
+    assert len(launches) == 1, "a failed kernel must not be launched again"
+    assert sum("Triton" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records) == 1
+    rt.reset()
+    with pytest.raises(RuntimeError, match="no ptxas"):
+        run("triton")

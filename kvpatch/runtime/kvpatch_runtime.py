@@ -435,20 +435,12 @@ def gather_cast(
     runs on CPU under TRITON_INTERPRET=1) or "torch". config overrides TUNING.
     Returns the path taken, "triton" or "torch".
     """
-    if src.shape != dst.shape or src.device != dst.device:
-        raise ValueError("gather_cast: src and dst need the same shape and device")
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError("gather_cast: backend must be auto, triton or torch")
+    src2, dst2 = _row_pair("gather_cast", src, dst, backend)
     rpi = int(rows_per_index)
     if rpi < 1:
         raise ValueError("gather_cast: rows_per_index must be >= 1")
     if indptr2 is None:
         indptr2, indptr2_pos = indptr, indptr_pos
-    src2, dst2 = _rows(src), _rows(dst)
-    if src2 is None or dst2 is None:
-        raise ValueError(
-            "gather_cast: src/dst strides do not form [slots, slot_len] rows"
-        )
     idx = indices.reshape(-1)  # a view for the 1-D buffers FlashInfer keeps
     if idx.numel() == 0 or src2.shape[0] < rpi:
         return "torch"
@@ -457,25 +449,52 @@ def gather_cast(
         src2, dst2, idx, indptr, indptr2, rpi, backend
     ):
         key = (src.dtype, dst.dtype, rpi, cfg["block_rows"], cfg["num_warps"])
-        if key not in _triton_failed:
-            try:
-                _launch(
-                    src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi, cfg
-                )
-                return "triton"
-            except Exception as exc:
-                if backend == "triton":
-                    raise
-                _triton_failed.add(key)
-                _warn_once(
-                    ("triton", key),
-                    "kvpatch: Triton gather failed (%s); using torch",
-                    exc,
-                )
+        if _try_triton(
+            "gather",
+            key,
+            backend,
+            lambda: _launch(
+                src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi, cfg
+            ),
+        ):
+            return "triton"
     elif backend == "triton":
         raise RuntimeError("gather_cast: Triton path not available for these tensors")
     _gather_cast_torch(src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi)
     return "torch"
+
+
+def _row_pair(what, src, dst, backend):
+    """src and dst as [slots, slot_len] rows, after the checks both casts share."""
+    if src.shape != dst.shape or src.device != dst.device:
+        raise ValueError(what + ": src and dst need the same shape and device")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(what + ": backend must be auto, triton or torch")
+    src2, dst2 = _rows(src), _rows(dst)
+    if src2 is None or dst2 is None:
+        raise ValueError(what + ": src/dst strides do not form [slots, slot_len] rows")
+    return src2, dst2
+
+
+def _try_triton(what, key, backend, launch):
+    """Run launch() unless this key's kernel failed before; True if it ran.
+
+    Under backend="triton" a failure raises; under "auto" it is remembered for
+    the key, warned once, and the caller takes its torch path instead.
+    """
+    if key in _triton_failed:
+        return False
+    try:
+        launch()
+        return True
+    except Exception as exc:
+        if backend == "triton":
+            raise
+        _triton_failed.add(key)
+        _warn_once(
+            ("triton", key), "kvpatch: Triton %s failed (%s); using torch", what, exc
+        )
+        return False
 
 
 def _triton_ok(src2, dst2, idx, indptr, indptr2, rpi, backend):
@@ -788,16 +807,8 @@ def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", confi
     of range are skipped; a page shared by two requests is cast once per reader, with the
     same bytes. No host sync. Returns the path taken, "triton" or "torch".
     """
-    if src.shape != dst.shape or src.device != dst.device:
-        raise ValueError("page_cast: src and dst need the same shape and device")
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError("page_cast: backend must be auto, triton or torch")
+    src2, dst2 = _row_pair("page_cast", src, dst, backend)
     ps = int(page_size)
-    src2, dst2 = _rows(src), _rows(dst)
-    if src2 is None or dst2 is None:
-        raise ValueError(
-            "page_cast: src/dst strides do not form [slots, slot_len] rows"
-        )
     if page_table.numel() == 0 or src2.shape[0] < ps:
         return "torch"
     cfg = dict(TUNING, **(config or {}))
@@ -812,19 +823,11 @@ def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", confi
     )
     if backend != "torch" and usable and _get_page_kernel() is not None:
         key = ("pages", src.dtype, dst.dtype, ps, cfg["block_rows"], cfg["num_warps"])
-        if key not in _triton_failed:
-            try:
-                _launch_pages(src2, dst2, page_table, seqlens, ps, cfg)
-                return "triton"
-            except Exception as exc:
-                if backend == "triton":
-                    raise
-                _triton_failed.add(key)
-                _warn_once(
-                    ("triton", key),
-                    "kvpatch: Triton page cast failed (%s); using torch",
-                    exc,
-                )
+        launch = lambda: _launch_pages(
+            src2, dst2, page_table, seqlens, ps, cfg
+        )  # noqa: E731
+        if _try_triton("page cast", key, backend, launch):
+            return "triton"
     elif backend == "triton":
         raise RuntimeError("page_cast: Triton path not available for these tensors")
     units = src2.shape[0] // ps
