@@ -21,11 +21,12 @@ Exit: 0 ok, 1 a result was wrong, 2 no GPU/Triton, 3 a target missed (with --str
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gather import graph_time_us as graph_us  # noqa: E402  (one timing method for both)
 from kvpatch.runtime import load_template  # noqa: E402
 
 ROW_BYTES = 576 + 2 * 576  # fp8 row read, bf16 row written (table reads are noise)
@@ -33,32 +34,6 @@ TARGET_TBPS_AT_131072 = 3.0
 TARGET_US_AT_4096 = 10.0
 TARGET_STEP_FRACTION = 0.03
 LAYERS_35291 = 61
-
-
-def graph_us(torch, fns, replays=20):
-    """Median GPU microseconds per fn: one graph runs every fn once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / len(fns))
-    return statistics.median(times)
 
 
 def pool(torch, slots, seed):
