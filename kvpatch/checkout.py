@@ -1,4 +1,4 @@
-"""checkout: every git access kvpatch makes (GitPython, imported only when needed).
+"""checkout: the checkout kvpatch works on, as git sees it (through kvpatch.git).
 
 Which commit and branch a checkout is on, whether its tree is dirty, which
 files git lists, the `kvpatch/<version-or-sha>` branch and the one commit an
@@ -6,12 +6,10 @@ apply or revert makes. A directory outside git (or untracked inside someone
 else's repository) works too: `git_info` then answers None and `plain_reason`
 says why.
 
-Everything goes through the git command (``repo.git.<cmd>``), never through
-GitPython's own index writer: only git itself honours the user's hooks,
-``commit.gpgsign``, identity rules (``user.useConfigOnly``), ``core.autocrlf``
-and other filters, and the index lock. Every path list git prints is read
-with ``-z`` (quoted non-ASCII names never match), and every path kvpatch
-passes is a literal pathspec (a file named ``*.py`` is not a glob).
+Every command runs through kvpatch.git (the git command itself, so hooks,
+signing, identity, filters and the index lock are git's). Every path list git
+prints is read with ``-z`` (quoted non-ASCII names never match), and every path
+kvpatch passes is a literal pathspec (a file named ``*.py`` is not a glob).
 """
 
 from __future__ import annotations
@@ -20,8 +18,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
+from kvpatch import git
+from kvpatch.git import HEADS, NUL, GitError  # noqa: F401 - GitError: callers catch it as checkout.GitError
 from kvpatch.gittxn import BRANCH_PREFIX, INDEX_LOCK  # spelled once, there
 
 # setuptools-scm checkouts carry a literal "0.0.0..." fallback: not a version.
@@ -30,19 +30,11 @@ VERSION_FILES = ("python/sglang/version.py", "sglang/version.py")
 SHA_IN_VERSIONED_BRANCH = 7
 SHA_IN_BARE_BRANCH = 10
 NO_VERIFY = "--no-verify"
-# Paths kvpatch hands git are file names, never pathspec magic or globs.
-GIT_ENV: Dict[str, str] = {"GIT_LITERAL_PATHSPECS": "1"}
-NUL = b"\0"
-DOT_GIT = ".git"
-
-
-class GitError(Exception):
-    """A git command refused; the message is git's own (its last lines)."""
 
 
 @dataclass
 class GitInfo:
-    repo: object  # git.Repo
+    repo: object  # git.Repo, opaque outside kvpatch.git
     workdir: Path
     commit: Optional[str]
     branch: Optional[str]  # None: detached HEAD or no commit yet
@@ -56,64 +48,14 @@ class GitInfo:
         return "" if rel == "." else rel
 
 
-def _message(exc) -> str:
-    """git's own words from a GitCommandError: the hook's output, or the fatal line."""
-    def text(b):
-        return (b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b or "")).strip()
-
-    out = "\n".join(t for t in (text(getattr(exc, "stdout", "")), text(getattr(exc, "stderr", ""))) if t)
-    # GitPython wraps its captures as "  stdout: '...'" / "  stderr: '...'".
-    out = re.sub(r"^\s*std(out|err): '", "", out, flags=re.M).rstrip("'").strip()
-    return out or str(exc)
-
-
 def _git(info: GitInfo, cmd: str, *args: str, raw: bool = False):
     """`git <cmd> args` in the repository's top directory (paths are repo-relative)."""
-    import git
-
-    try:
-        return getattr(info.repo.git, cmd)(*args, env=GIT_ENV, stdout_as_string=not raw)
-    except git.GitCommandError as exc:
-        raise GitError(_message(exc)) from None
-
-
-def _split_z(out: bytes) -> List[str]:
-    return [os.fsdecode(p) for p in out.split(NUL) if p]
-
-
-def _inside_git(root: Path) -> bool:
-    """A cheap look for a .git above root: outside git, GitPython (slow to
-    import) is never loaded, so audit of a plain tree starts fast."""
-    if os.environ.get("GIT_DIR"):
-        return True
-    root = root.resolve()
-    return any((d / DOT_GIT).exists() for d in (root, *root.parents))
-
-
-def _repo_of(root: Path):
-    if not _inside_git(root):
-        return None
-    try:
-        import git  # GitPython: slow to import, so only here
-    except ImportError:  # pragma: no cover - a declared dependency
-        return None
-    try:
-        repo = git.Repo(root, search_parent_directories=True)
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        return None
-    return None if repo.bare else repo
+    return git.run(info.repo, cmd, *args, raw=raw)
 
 
 def _info(repo) -> GitInfo:
-    try:
-        commit = repo.head.commit.hexsha
-    except ValueError:
-        commit = None
-    try:
-        branch = repo.active_branch.name
-    except TypeError:
-        branch = None
-    return GitInfo(repo, Path(repo.working_tree_dir), commit, branch)
+    commit, branch = git.head(repo)
+    return GitInfo(repo, git.workdir(repo), commit, branch)
 
 
 def _tracked_under(info: GitInfo, root: Path) -> bool:
@@ -121,7 +63,7 @@ def _tracked_under(info: GitInfo, root: Path) -> bool:
     prefix = info.prefix(root)
     if not prefix:
         return True  # the repository itself, even with nothing committed yet
-    return bool(_git(info, "ls_files", "-z", "--cached", "--", prefix, raw=True))
+    return bool(_git(info, "ls-files", "-z", "--cached", "--", prefix, raw=True))
 
 
 def git_info(root: Path) -> Optional[GitInfo]:
@@ -130,7 +72,7 @@ def git_info(root: Path) -> Optional[GitInfo]:
     switching that repository's branch would be wrong."""
     if root.is_file():
         root = root.parent
-    repo = _repo_of(root)
+    repo = git.repo_at(root)
     if repo is None:
         return None
     info = _info(repo)
@@ -139,10 +81,10 @@ def git_info(root: Path) -> Optional[GitInfo]:
 
 def plain_reason(root: Path) -> str:
     """Why root is handled as a plain directory (git_info answered None)."""
-    repo = _repo_of(root)
+    repo = git.repo_at(root)
     if repo is None:
         return "not a git checkout"
-    return (f"not tracked by the git repository at {repo.working_tree_dir}: "
+    return (f"not tracked by the git repository at {git.workdir(repo)}: "
             f"treated as a plain directory")
 
 
@@ -155,10 +97,10 @@ def listed_files(root: Path) -> Optional[List[str]]:
     if info is None:
         return None
     prefix = info.prefix(root)
-    out = _git(info, "ls_files", "-z", "--cached", "--others", "--exclude-standard",
+    out = _git(info, "ls-files", "-z", "--cached", "--others", "--exclude-standard",
                *(["--", prefix] if prefix else []), raw=True)
     cut = len(prefix) + 1 if prefix else 0
-    return sorted({p[cut:] for p in _split_z(out)})
+    return sorted({p[cut:] for p in git.split_z(out)})
 
 
 def dirty_paths(info: GitInfo, root: Path) -> List[str]:
@@ -188,15 +130,15 @@ def tracked(info: GitInfo, paths: Iterable[str]) -> List[str]:
     paths = list(paths)
     if not paths:
         return []
-    out = _git(info, "ls_files", "-z", "--cached", "--", *paths, raw=True)
-    return sorted(set(_split_z(out)))
+    out = _git(info, "ls-files", "-z", "--cached", "--", *paths, raw=True)
+    return sorted(set(git.split_z(out)))
 
 
 def preflight(info: GitInfo) -> None:
     """Refuse before anything is written where the commit would be refused:
     another git process holds the index, or git has no identity to commit as
     (with user.useConfigOnly git refuses to invent one, and so does kvpatch)."""
-    lock = Path(_git(info, "rev_parse", "--git-path", INDEX_LOCK))
+    lock = Path(_git(info, "rev-parse", "--git-path", INDEX_LOCK))
     if not lock.is_absolute():
         lock = info.workdir / lock
     if lock.exists():
@@ -231,7 +173,7 @@ def branch_name(info: GitInfo, root: Path) -> str:
     sha = info.commit or "0" * SHA_IN_BARE_BRANCH
     tag = f"v{version}-{sha[:SHA_IN_VERSIONED_BRANCH]}" if version else sha[:SHA_IN_BARE_BRANCH]
     base = BRANCH_PREFIX + re.sub(r"[^A-Za-z0-9._-]", "-", tag)
-    existing = {h.name for h in info.repo.heads}
+    existing = {ref[len(HEADS):] for ref in git.branches(info.repo)}
     name, n = base, 2
     while name in existing:
         name, n = f"{base}-{n}", n + 1
@@ -265,16 +207,16 @@ def commit(info: GitInfo, paths: List[str], message: str, no_verify: bool = Fals
         except GitError:
             pass  # the commit's own error is the one to report
         raise
-    return info.repo.head.commit.hexsha
+    return git.head(info.repo)[0]
 
 
 def restore_branch(info: GitInfo, original_branch: Optional[str], created: Optional[str]) -> None:
     """Undo create_branch after a failed apply."""
     if original_branch and info.commit is None:  # an unborn branch: nothing to check out
-        _git(info, "symbolic_ref", "HEAD", "refs/heads/" + original_branch)
+        _git(info, "symbolic-ref", "HEAD", HEADS + original_branch)
     elif original_branch:
         _git(info, "checkout", "-q", original_branch)
     elif info.commit:
         _git(info, "checkout", "-q", "--detach", info.commit)
-    if created and created in [h.name for h in info.repo.heads]:
+    if created and HEADS + created in git.branches(info.repo):
         _git(info, "branch", "-q", "-D", created)

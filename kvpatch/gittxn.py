@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from kvpatch import git
+from kvpatch.git import HEADS
 from kvpatch.safepath import UnsafePath
 
-HEADS = "refs/heads/"
 BRANCH_PREFIX = "kvpatch/"
 INDEX_LOCK = "index.lock"
 # How many commits a write makes (apply: one; revert: one): undo strips no more.
@@ -61,7 +61,7 @@ def check(rec) -> None:
 
 def _check_ref(ref) -> None:
     if (not isinstance(ref, str) or not ref.startswith(HEADS)
-            or subprocess.run(["git", "check-ref-format", ref], capture_output=True).returncode != 0):
+            or not git.valid_ref(ref)):
         raise UnsafePath(f"journal git ref {ref!r} is not a branch name")
 
 
@@ -117,7 +117,7 @@ def plan(root: Path, rec: dict, files: List[dict]) -> List[Tuple[str, List[str]]
         if back:
             n = len(back)
             steps.append((f"reset {n} index entr{'y' if n == 1 else 'ies'} to {commit[:12]}",
-                          ["--literal-pathspecs", "reset", "-q", commit, "--", *back]))
+                          ["reset", "-q", commit, "--", *back]))
     return steps
 
 
@@ -162,7 +162,7 @@ def _only_ours(workdir: Path, tip: str, base: str, ours: Dict[str, Optional[str]
 def _blobs(workdir: Path, treeish: Optional[str], paths: List[str]) -> Dict[str, str]:
     """path -> blob id, in a commit's tree or (treeish None) in the index."""
     args = ["ls-files", "-s", "-z"] if treeish is None else ["ls-tree", "-r", "-z", treeish]
-    out = _git(workdir, "--literal-pathspecs", *args, "--", *paths)
+    out = _git(workdir, *args, "--", *paths)
     blobs = {}
     for entry in out.split("\0"):
         if "\t" in entry:
@@ -172,24 +172,26 @@ def _blobs(workdir: Path, treeish: Optional[str], paths: List[str]) -> Dict[str,
 
 
 def _sha256(workdir: Path, blob: str) -> str:
-    r = subprocess.run(["git", "-C", str(workdir), "cat-file", "blob", blob], capture_output=True)
-    return hashlib.sha256(r.stdout).hexdigest() if r.returncode == 0 else ""
+    try:
+        return hashlib.sha256(git.blobs(workdir, [blob])[0]).hexdigest()
+    except git.GitError:
+        return ""
 
 
 def _kvpatch_branches(workdir: Path) -> set:
-    out = _try(workdir, "for-each-ref", "--format=%(refname)", HEADS + BRANCH_PREFIX) or ""
-    return set(out.splitlines())
+    return set(git.branches(workdir, HEADS + BRANCH_PREFIX))
 
 
-def _git(workdir: Path, *args: str) -> str:
-    r = subprocess.run(["git", "-C", str(workdir), *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        msg = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-        raise GitUndoError(f"git {' '.join(a for a in args if not a.startswith('--literal'))[:80]}: {msg}")
-    return r.stdout.strip()
+def _git(workdir: Path, cmd: str, *args: str) -> str:
+    """A git command of recover's (each one a kill point in the fault tests)."""
+    try:
+        return git.run(workdir, cmd, *args).strip()
+    except git.GitError as exc:
+        msg = (str(exc).strip().splitlines() or ["failed"])[-1]
+        raise GitUndoError(f"git {' '.join((cmd, *args))[:80]}: {msg}") from None
 
 
-def _try(workdir: Path, *args: str) -> Optional[str]:
+def _try(workdir: Path, cmd: str, *args: str) -> Optional[str]:
     """The output of a git query, or None when it fails (a ref that is not there)."""
-    r = subprocess.run(["git", "-C", str(workdir), *args], capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else None
+    out = git.query(workdir, cmd, *args)
+    return None if out is None else out.strip()

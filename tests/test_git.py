@@ -293,3 +293,28 @@ def test_the_injected_runtime_is_black_and_codespell_clean(tmp_path, tool):
     injected.write_text(runtime_source(), encoding="utf-8")
     r = subprocess.run([sys.executable, "-m", module, *args, str(injected)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# -- issue 9: one git module ----------------------------------------------------------
+def _git_access(path: Path) -> list:
+    """Where a module imports GitPython, or runs the git binary itself."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "git" for a in node.names):
+            found.append(f"{node.lineno}: import git")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "git":
+            found.append(f"{node.lineno}: from git")
+        elif isinstance(node, (ast.List, ast.Tuple)) and node.elts and isinstance(node.elts[0], ast.Constant) \
+                and node.elts[0].value == "git":
+            found.append(f"{node.lineno}: a ['git', ...] command line")
+    return found
+
+
+def test_kvpatch_git_is_the_only_module_that_runs_git():
+    pkg = Path(__file__).resolve().parents[1] / "kvpatch"
+    one = pkg / "git.py"
+    assert _git_access(one)  # the check can see an access: kvpatch.git imports GitPython
+    others = {p.relative_to(pkg).as_posix(): _git_access(p) for p in sorted(pkg.rglob("*.py")) if p != one}
+    assert {rel: hits for rel, hits in others.items() if hits} == {}

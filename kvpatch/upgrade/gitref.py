@@ -2,38 +2,41 @@
 
 from __future__ import annotations
 
-
-import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from kvpatch import git
 from kvpatch.safepath import UnsafePath, check_rel, create_new, inside
 from kvpatch.upgrade.model import UpgradeError
 
+
 # -- materializing a git ref -------------------------------------------------------------
-def _git(args: List[str], cwd: Path, **kw) -> subprocess.CompletedProcess:
+@contextmanager
+def _git_needed():
     try:
-        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, **kw)
-    except FileNotFoundError as exc:
-        raise UpgradeError("--against needs git on PATH") from exc
+        yield
+    except git.GitMissing as exc:
+        raise UpgradeError(f"--against needs git ({exc})") from None
 
 
 def git_location(root: Path) -> Tuple[Path, str]:
     """(repository top level, root's path inside it with a trailing slash or '')."""
-    d = root if root.is_dir() else root.parent
-    r = _git(["rev-parse", "--show-toplevel", "--show-prefix"], d, text=True)
-    if r.returncode != 0:
+    with _git_needed():
+        where = git.toplevel(root if root.is_dir() else root.parent)
+    if where is None:
         raise UpgradeError(f"{root}: not inside a git repository (--against REF compares with a git revision; "
                            f"to compare two trees use `kvpatch audit OLD_DIR NEW_DIR`)")
-    top, prefix = (r.stdout.splitlines() + ["", ""])[:2]
-    return Path(top), prefix
+    return where
 
 
 def resolve_ref(top: Path, ref: str) -> str:
-    r = _git(["rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}"], top, text=True)
-    if r.returncode != 0 or not r.stdout.strip():
+    with _git_needed():
+        sha = git.query(top, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}")
+    if not sha or not sha.strip():
         raise UpgradeError(f"{ref}: not a commit in {top} (git rev-parse found no such revision)")
-    return r.stdout.strip()
+    return sha.strip()
 
 
 # The markers of discover.is_candidate as fixed strings (git grep ORs them): a
@@ -60,27 +63,18 @@ class RefTree:
         sha = self.blobs.get(rel)
         if sha is None:
             return None
-        r = _git(["cat-file", "blob", sha], self.top)
-        return r.stdout if r.returncode == 0 else None
+        try:
+            return git.blobs(self.top, [sha])[0]
+        except git.GitError:
+            return None
 
 
 def _blobs(top: Path, shas: List[str]) -> List[bytes]:
-    """The contents of blobs, through one `git cat-file --batch`."""
-    if not shas:
-        return []
-    r = _git(["cat-file", "--batch"], top, input=("\n".join(shas) + "\n").encode())
-    if r.returncode != 0:
-        raise UpgradeError(f"git cat-file failed: {r.stderr.decode('utf-8', 'replace').strip()}")
-    out, pos, data = [], 0, r.stdout
-    for _ in shas:
-        nl = data.index(b"\n", pos)
-        header = data[pos:nl].split()
-        if len(header) < 3 or header[1] != b"blob":
-            raise UpgradeError(f"git cat-file: unexpected {data[pos:nl][:80]!r}")
-        size = int(header[2])
-        out.append(data[nl + 1:nl + 1 + size])
-        pos = nl + 1 + size + 1
-    return out
+    """The contents of blobs, through one `git cat-file --batch` process."""
+    try:
+        return git.blobs(top, shas)
+    except git.GitError as exc:
+        raise UpgradeError(str(exc)) from None
 
 
 def _safe(name: str) -> bool:
@@ -97,11 +91,12 @@ def materialize(top: Path, prefix: str, commit: str, dest: Path) -> Tuple[Path, 
     """Write the files under prefix at commit that the audit reads into dest.
     Returns the old root and the commit's full list of .py files."""
     spec = ["--", prefix] if prefix else []
-    ls = _git(["ls-tree", "-r", "-z", commit, *spec], top)
-    if ls.returncode != 0:
-        raise UpgradeError(f"git ls-tree {commit[:12]} failed: {ls.stderr.decode('utf-8', 'replace').strip()}")
+    try:
+        listing = git.run(top, "ls-tree", "-r", "-z", commit, *spec, raw=True)
+    except git.GitError as exc:
+        raise UpgradeError(f"git ls-tree {commit[:12]} failed: {exc}") from None
     blobs: Dict[str, str] = {}
-    for entry in ls.stdout.split(b"\0"):
+    for entry in listing.split(git.NUL):
         if not entry:
             continue
         meta, _, path = entry.partition(b"\t")
@@ -116,12 +111,14 @@ def materialize(top: Path, prefix: str, commit: str, dest: Path) -> Tuple[Path, 
     args = ["grep", "-l", "-z", "-F"]
     for marker in GREP_MARKERS:
         args += ["-e", marker]
-    grep = _git(args + [commit, "--", f"{prefix}*.py" if prefix else "*.py"], top)
-    if grep.returncode not in (0, 1):  # 1: nothing matched
-        raise UpgradeError(f"git grep {commit[:12]} failed: {grep.stderr.decode('utf-8', 'replace').strip()}")
+    # a glob pathspec, the one git command kvpatch gives one
+    status, hits, err = git.run_status(top, *args, commit, "--", f"{prefix}*.py" if prefix else "*.py",
+                                       literal=False)
+    if status not in (0, 1):  # 1: nothing matched
+        raise UpgradeError(f"git grep {commit[:12]} failed: {err.strip()}")
     head = f"{commit}:".encode()
     wanted = []
-    for hit in grep.stdout.split(b"\0"):
+    for hit in hits.split(git.NUL):
         if hit.startswith(head):
             name = hit[len(head):].decode("utf-8", "surrogateescape")
             if name.startswith(prefix) and name[len(prefix):] in blobs:

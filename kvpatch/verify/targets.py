@@ -5,11 +5,11 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from kvpatch import git
 from kvpatch.safepath import UnsafePath, inside, is_link, read_regular
 from kvpatch.state import ORIGINALS as _ORIGINALS_DIR, STATE_DIR, STATE_FILE
 
@@ -71,12 +71,11 @@ def defines_backend(source: str) -> bool:
     return {BACKEND_CLASS, DECODE_UPDATER, PREFILL_UPDATER} <= names
 
 
-def _git(root: Path, *args: str) -> Optional[str]:
+def _git(root: Path, cmd: str, *args: str) -> Optional[str]:
     try:
-        r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
+        return git.query(root, cmd, *args)
+    except git.GitMissing:
         return None
-    return r.stdout.decode("utf-8", "replace") if r.returncode == 0 else None
 
 
 def _git_base(root: Path) -> Optional[str]:
