@@ -12,8 +12,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import libcst as cst
 
-RUNTIME_ALIAS = "_kvpatch_rt"
-RUNTIME_MODULE = "_kvpatch_runtime"
+from kvpatch.names import RUNTIME_ALIAS, RUNTIME_MODULE
+
 IMPORT_LINE = f"from . import {RUNTIME_MODULE} as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime"
 MAX_LINE = 88
 

@@ -14,25 +14,22 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 from kvpatch import checkout
-from kvpatch.locate import MLA_PLAN_FUNCTIONS
+from kvpatch.names import CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
 from kvpatch.safepath import UnsafePath, is_link, read_regular
 
 # A KV-buffer read, or a site kvpatch already rewrote (plain substrings: `bytes in`
 # is ~5x faster than a regex alternation) ...
-MARKERS = (b"get_key_buffer", b"get_value_buffer", b"get_kv_buffer", b"get_mla_kv_buffer",
-           b"_kvpatch_runtime", b"kv_for_kernel", b"plan_kv_dtype")
+MARKERS = tuple(m.encode() for m in CANDIDATE_MARKERS)
 # ... or an MLA plan call, which only matters in a file using the MLA wrapper.
 PLAN = re.compile(rb"\.plan\b|" + "|".join(MLA_PLAN_FUNCTIONS).encode())
+_MLA_WRAPPER = MLA_WRAPPER.encode()
 
 
 def is_candidate(data: bytes) -> bool:
     if any(lit in data for lit in MARKERS):
         return True
-    return b"BatchMLAPagedAttentionWrapper" in data and bool(PLAN.search(data))
+    return _MLA_WRAPPER in data and bool(PLAN.search(data))
 
-# Never descended into: VCS data, caches, our own state, virtualenvs.
-SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".kvpatch", ".tox", ".nox",
-             ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
 
 
 @dataclass

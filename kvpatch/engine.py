@@ -27,7 +27,8 @@ from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
 from kvpatch.classify import prove_noop
 from kvpatch.locate import (MLA_PLAN_ARITY, MLA_PLAN_FUNCTIONS, MLA_PLAN_KEYWORDS, MLA_PLAN_MAX_POSITIONAL,
                             locate)
-from kvpatch.match import POOL_GETTERS, FileContext, UnitContext, consumer_names, is_attr
+from kvpatch.names import POOL_GETTERS
+from kvpatch.match import FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
                            backend_name, path_kind)

@@ -16,9 +16,10 @@ import re
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
+from kvpatch.names import DOT_GIT
+
 # Paths kvpatch hands git are file names, never pathspec magic or globs.
 LITERAL_ENV = {"GIT_LITERAL_PATHSPECS": "1"}
-DOT_GIT = ".git"
 NUL = b"\0"
 BLOB = "blob"
 HEADS = "refs/heads/"

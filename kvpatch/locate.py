@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
-KV_GETTERS = {"get_key_buffer", "get_value_buffer", "get_kv_buffer", "get_mla_kv_buffer"}
-MLA_WRAPPER = "BatchMLAPagedAttentionWrapper"
+from kvpatch.names import CAST_CALLS, KV_GETTERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, PLAN_METHOD, RUNTIME_MODULE
+
 # FlashInfer's MLA plan takes 12 required arguments; its other wrappers' plans
 # take fewer, or none of these MLA-only keywords.
 MLA_PLAN_KEYWORDS = {"head_dim_ckv", "head_dim_kpe", "kv_len_arr"}
@@ -25,10 +25,6 @@ MLA_PLAN_ARITY = 12
 # `self._cached_module.plan(...)` of a decode wrapper (16 arguments, with
 # logits_soft_cap and head_dim where the MLA dtypes would be).
 MLA_PLAN_MAX_POSITIONAL = 13
-# SGLang's own plan functions for an MLA wrapper, called with the wrapper first
-# (or bound to it as `wrapper.plan = partial(f, wrapper)`): they plan with host
-# arrays and skip parts of the stock plan().
-MLA_PLAN_FUNCTIONS = ("fast_mla_decode_plan", "fast_mla_prefill_plan")
 
 
 @dataclass
@@ -69,7 +65,7 @@ class Located:
 
 
 def is_mla_plan_call(node: ast.Call) -> bool:
-    if not (isinstance(node.func, ast.Attribute) and node.func.attr == "plan"):
+    if not (isinstance(node.func, ast.Attribute) and node.func.attr == PLAN_METHOD):
         return False
     kws = {k.arg for k in node.keywords if k.arg}
     if kws & MLA_PLAN_KEYWORDS:
@@ -88,9 +84,6 @@ def _call_name(node: ast.Call) -> Optional[str]:
     if isinstance(f, ast.Name):
         return f.id
     return None
-
-
-CAST_CALLS = {"to", "float", "half", "bfloat16", "double", "type"}
 
 
 def _names_in(node: ast.AST) -> Set[str]:
@@ -176,7 +169,7 @@ def _why(fn: ast.AST, uses_mla_wrapper: bool, runtime_calls: FrozenSet[str]) -> 
         name = _call_name(n)
         if name in runtime_calls:
             why.add("patched")
-        elif uses_mla_wrapper and (name in MLA_PLAN_FUNCTIONS or (name == "plan" and is_mla_plan_call(n))):
+        elif uses_mla_wrapper and (name in MLA_PLAN_FUNCTIONS or (name == PLAN_METHOD and is_mla_plan_call(n))):
             why.add("plan")
     return why
 
@@ -225,7 +218,7 @@ def locate(tree: ast.Module, text: Optional[str] = None, runtime_calls: FrozenSe
     mod = ModuleFacts()
     marks = MarkerLines(text, runtime_calls) if text is not None else None
     method_nodes: Dict[str, List[Tuple[ast.AST, str]]] = {}
-    module_walk = text is None or MLA_WRAPPER in text or "_kvpatch_runtime" in text
+    module_walk = text is None or MLA_WRAPPER in text or RUNTIME_MODULE in text
 
     for n in (ast.walk(tree) if module_walk else ()):
         if isinstance(n, ast.Name) and n.id == MLA_WRAPPER:
@@ -234,8 +227,8 @@ def locate(tree: ast.Module, text: Optional[str] = None, runtime_calls: FrozenSe
             mod.uses_mla_wrapper = True
         elif isinstance(n, ast.alias) and (n.name == MLA_WRAPPER or n.name.endswith("." + MLA_WRAPPER)):
             mod.uses_mla_wrapper = True
-        elif isinstance(n, ast.ImportFrom) and any(a.name == "_kvpatch_runtime" for a in n.names):
-            a = next(a for a in n.names if a.name == "_kvpatch_runtime")
+        elif isinstance(n, ast.ImportFrom) and any(a.name == RUNTIME_MODULE for a in n.names):
+            a = next(a for a in n.names if a.name == RUNTIME_MODULE)
             mod.runtime_alias = a.asname or a.name
 
     # Our import goes after the last top-level import that precedes the first

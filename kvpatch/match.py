@@ -18,13 +18,11 @@ import libcst as cst
 
 from kvpatch.dataflow import Definition, FunctionFlow, analyze
 from kvpatch.locate import ClassFacts, ModuleFacts, Unit
+from kvpatch.names import CAST_TO, CAST_TYPE, DTYPE_CAST_METHODS, POOL_GETTERS, TUPLE_GETTERS
 from kvpatch.tensorops import (GATHER_METHODS, TUPLE_VIEWS, VIEW_FUNCTIONS, VIEW_METHODS, device_like,
                                gathers_rows, int_subscript, whole_rows)
 from kvpatch.units import ParsedUnit
 
-POOL_GETTERS = {"get_key_buffer", "get_value_buffer"}
-TUPLE_GETTERS = {"get_kv_buffer"}  # returns (k, v)
-CAST_METHODS = {"float", "half", "bfloat16", "double"}
 
 
 # Plain isinstance tests instead of libcst.matchers: importing that module costs
@@ -225,24 +223,24 @@ class UnitContext:
         if not isinstance(call.func, cst.Attribute):
             return None
         meth = call.func.attr.value
-        if meth in CAST_METHODS and not call.args:
+        if meth in DTYPE_CAST_METHODS and not call.args:
             return CastForm("method", None, None, False, meth)
-        if meth == "type" and len(call.args) == 1 and call.args[0].keyword is None:
-            return CastForm("type", call.args[0].value, call.args[0], False, meth)
-        if meth != "to":
+        if meth == CAST_TYPE and len(call.args) == 1 and call.args[0].keyword is None:
+            return CastForm(CAST_TYPE, call.args[0].value, call.args[0], False, meth)
+        if meth != CAST_TO:
             return None
         pos = [a for a in call.args if a.keyword is None and not a.star]
         kws = {a.keyword.value: a for a in call.args if a.keyword is not None}
         if any(a.star for a in call.args):
             return None
         if "dtype" in kws:
-            return CastForm("to", kws["dtype"].value, kws["dtype"], not pos and set(kws) <= {"dtype", "non_blocking"}, meth)
+            return CastForm(CAST_TO, kws["dtype"].value, kws["dtype"], not pos and set(kws) <= {"dtype", "non_blocking"}, meth)
         if len(pos) == 1:
             if device_like(pos[0].value):
                 return None
-            return CastForm("to", pos[0].value, pos[0], set(kws) <= {"non_blocking"}, meth)
+            return CastForm(CAST_TO, pos[0].value, pos[0], set(kws) <= {"non_blocking"}, meth)
         if len(pos) >= 2 and not device_like(pos[1].value):
-            return CastForm("to", pos[1].value, pos[1], False, meth)
+            return CastForm(CAST_TO, pos[1].value, pos[1], False, meth)
         return None
 
     # -- consumers -------------------------------------------------------

@@ -9,7 +9,8 @@ from typing import Dict, List
 
 from kvpatch import RULESET_VERSION, __version__
 from kvpatch.engine import ScanResult
-from kvpatch.sites import NEEDS_ACTION, SITE_STATUSES, Site
+from kvpatch.sites import (FIXED_UPSTREAM, GATHERED, HOT, NEEDS_ACTION, NOOP, PATCHED, PLAN_IGNORED, PLAN_REWRITE,
+                           PLAN_STATUSES, SITE_STATUSES, UNSUPPORTED, Site)
 
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 
@@ -41,7 +42,7 @@ _PLAN = {
         "receiver": {"type": "string"}, "form": {"enum": ["positional", "keyword", "function"]},
         "q_dtype": {"type": ["string", "null"]}, "kv_dtype": {"type": ["string", "null"]},
         "page_size": {"type": ["string", "null"]}, "causal": {"type": ["string", "null"]},
-        "status": {"enum": ["rewrite", "patched", "ignored", "unsupported"]},
+        "status": {"enum": list(PLAN_STATUSES)},
         "reason": {"type": "string"}, "rule": {"type": ["string", "null"]}, "fixable": {"type": "boolean"},
         "statement": {"type": "string"},
     },
@@ -108,7 +109,7 @@ def to_json(scan: ScanResult) -> str:
     return json.dumps(to_dict(scan), indent=2) + "\n"
 
 
-_LEVEL = {"hot": "error", "unsupported": "warning"}
+_LEVEL = {HOT: "error", UNSUPPORTED: "warning"}
 
 
 def to_sarif(scan: ScanResult, rules) -> str:
@@ -177,8 +178,8 @@ def sarif_document(rules: List[Dict], results: List[Dict], notifications: List[D
 def render_table(scan: ScanResult, style, verbose: int = 0) -> str:
     """Human output: sites grouped by file, then plan calls, then errors."""
     out: List[str] = []
-    colors = {"hot": "red", "unsupported": "yellow", "patched": "green", "no-op": "blue",
-              "gathered": "blue", "fixed-upstream": "green", "rewrite": "yellow", "ignored": "blue"}
+    colors = {HOT: "red", UNSUPPORTED: "yellow", PATCHED: "green", NOOP: "blue",
+              GATHERED: "blue", FIXED_UPSTREAM: "green", PLAN_REWRITE: "yellow", PLAN_IGNORED: "blue"}
     by_file: Dict[str, List] = {}
     for s in scan.sites:
         by_file.setdefault(s.file, []).append(s)

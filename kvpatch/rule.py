@@ -21,6 +21,8 @@ from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Type
 
 import libcst as cst
 
+from kvpatch.sites import HOT
+
 
 @dataclass(frozen=True)
 class Valid:
@@ -37,7 +39,7 @@ class Invalid:
 
     code: str
     expected: Optional[str] = None
-    status: str = "hot"
+    status: str = HOT
     why: str = ""
 
 

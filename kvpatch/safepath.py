@@ -14,13 +14,12 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
+from kvpatch.names import DOT_GIT as GIT_DIR
+
 # O_NOFOLLOW/O_CLOEXEC are POSIX; where missing (Windows) the flag is simply 0.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-
-
-GIT_DIR = ".git"
 
 
 class UnsafePath(ValueError):

@@ -17,10 +17,7 @@ from typing import Dict, List, Optional
 
 from kvpatch.safepath import UnsafePath, inside, is_link, read_regular, under, write_replace
 
-STATE_DIR = ".kvpatch"
-STATE_FILE = "state.json"
-JOURNAL_FILE = "journal.json"
-ORIGINALS = "originals"
+from kvpatch.names import JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE  # noqa: F401 - re-exported
 SCHEMA = "kvpatch.state/1"
 
 

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from kvpatch import gittxn
+from kvpatch.names import TXN_DIR
 from kvpatch.safepath import (UnsafePath, create_new, inside, is_link, read_regular, remove_stale,
                               tmp_path, under, write_replace)
 from kvpatch.state import JOURNAL_FILE, STATE_DIR, sha256, write_json_atomic
 
-TXN_DIR = "txn"
 GIT_KEY = "git"  # the journal's record of HEAD before the write (gittxn.record)
 # Journal phases: while staging, no target has been touched yet.
 PHASE_STAGING = "staging"

@@ -92,7 +92,7 @@ class FlashAttentionBackend:
             q=q, k_cache=kv_cache, v_cache=c_kv, page_table=self.forward_metadata.page_table
         )
 """,
-            status="hot",
+            status=HOT,
             why="FA3 absorbed MLA: the earlier q cast is guarded; consumed through page_table",
         ),
         Invalid(
@@ -101,7 +101,7 @@ class NpuBackend:
     def _kv(self, layer):
         return self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(self.input_dtype)
 """,
-            status="unsupported",
+            status=UNSUPPORTED,
             why="the cast escapes through return: what the kernel reads is decided elsewhere",
         ),
         Invalid(
@@ -114,7 +114,7 @@ def forward(self, q, layer, forward_batch, dcp):
     buf = buf.to(q.dtype)
     return self.kernel(q, buf)
 """,
-            status="unsupported",
+            status=UNSUPPORTED,
             why="the cast input is the pool on one path and another buffer on the other",
         ),
         Invalid(
@@ -126,7 +126,7 @@ def forward_extend(self, q, layer, forward_batch):
         v_cache = v_cache.to(q.dtype)
     return mha_batch_prefill_func(q, k_cache, v_cache, block_table=forward_batch.block_table)
 """,
-            status="hot",
+            status=HOT,
             why="an MHA pool read as a (k, v) tuple, both halves cast under a guard",
         ),
     )

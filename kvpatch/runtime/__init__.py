@@ -11,17 +11,17 @@ import re
 from pathlib import Path
 
 from kvpatch import __version__
+from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE, RUNTIME_VERSION_VAR
 
-RUNTIME_FILENAME = "_kvpatch_runtime.py"
 _TEMPLATE = Path(__file__).with_name("kvpatch_runtime.py")
-_STAMP = re.compile(r'^__kvpatch_version__ = "[^"]*"$', re.M)
-_VERSION = re.compile(r'^__kvpatch_runtime_version__ = "([^"]*)"$', re.M)
+_STAMP = re.compile(rf'^{KVPATCH_VERSION_VAR} = "[^"]*"$', re.M)
+_VERSION = re.compile(rf'^{RUNTIME_VERSION_VAR} = "([^"]*)"$', re.M)
 
 
 TEMPLATE = _TEMPLATE
 
 
-def load_template(module_name: str = "_kvpatch_runtime"):
+def load_template(module_name: str = RUNTIME_MODULE):
     """Import the shipped runtime source as a module (tests, benchmarks): it needs
     torch, so it is never imported by kvpatch itself."""
     import importlib.util
@@ -34,9 +34,9 @@ def load_template(module_name: str = "_kvpatch_runtime"):
 
 def runtime_source() -> str:
     text = _TEMPLATE.read_text(encoding="utf-8")
-    stamped, n = _STAMP.subn(f'__kvpatch_version__ = "{__version__}"', text, count=1)
+    stamped, n = _STAMP.subn(f'{KVPATCH_VERSION_VAR} = "{__version__}"', text, count=1)
     if n != 1:
-        raise RuntimeError(f"{_TEMPLATE} has no __kvpatch_version__ line to stamp")
+        raise RuntimeError(f"{_TEMPLATE} has no {KVPATCH_VERSION_VAR} line to stamp")
     return stamped
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvpatch import git
+from kvpatch.names import CANDIDATE_MARKERS, MLA_WRAPPER
 from kvpatch.safepath import UnsafePath, check_rel, create_new, inside
 from kvpatch.upgrade.model import UpgradeError
 
@@ -43,8 +44,7 @@ def resolve_ref(top: Path, ref: str) -> str:
 # superset of the files the scan reads (every file naming the MLA wrapper is taken,
 # plan call or not). Only these are written out: creating the ~5,000 files of a
 # whole checkout costs seconds, most of them in the kernel.
-GREP_MARKERS = ("get_key_buffer", "get_value_buffer", "get_kv_buffer", "get_mla_kv_buffer",
-                "_kvpatch_runtime", "kv_for_kernel", "plan_kv_dtype", "BatchMLAPagedAttentionWrapper")
+GREP_MARKERS = CANDIDATE_MARKERS + (MLA_WRAPPER,)
 
 
 @dataclass

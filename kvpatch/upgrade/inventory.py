@@ -8,9 +8,10 @@ import re
 import textwrap
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
-from kvpatch.locate import KV_GETTERS, MLA_PLAN_FUNCTIONS, kv_tainted, reads_kv
+from kvpatch.locate import kv_tainted, reads_kv
+from kvpatch.names import CAST_TO, CAST_TYPE, DTYPE_CAST_METHODS, KV_GETTERS, MLA_PLAN_FUNCTIONS, PLAN_METHOD
 from kvpatch.upgrade.gitref import RefTree
-from kvpatch.upgrade.model import CAST_METHODS, FunctionInfo, SOURCE_LINES
+from kvpatch.upgrade.model import FunctionInfo, SOURCE_LINES
 
 # -- statements and functions ------------------------------------------------------
 @functools.lru_cache(maxsize=4096)
@@ -77,11 +78,11 @@ def is_cast_call(node: ast.AST) -> bool:
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
         return False
     attr = node.func.attr
-    if attr in CAST_METHODS:
+    if attr in DTYPE_CAST_METHODS:
         return not node.args and not node.keywords
-    if attr == "type":
+    if attr == CAST_TYPE:
         return len(node.args) == 1 and not node.keywords
-    if attr != "to":
+    if attr != CAST_TO:
         return False
     if any(k.arg == "dtype" for k in node.keywords):
         return True
@@ -183,7 +184,7 @@ class Functions:
             if name in KV_GETTERS:
                 reads = True
                 marks.append(n.lineno)
-            if name == "plan" or name in MLA_PLAN_FUNCTIONS:
+            if name == PLAN_METHOD or name in MLA_PLAN_FUNCTIONS:
                 plans += 1
                 marks.append(n.lineno)
             if name == "run":

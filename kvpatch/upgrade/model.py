@@ -8,21 +8,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 from kvpatch import RULESET_VERSION, __version__
+from kvpatch.sites import FIXED_UPSTREAM, GATHERED, NEEDS_ACTION, NOOP, PATCHED
 
 SCHEMA_ID = "kvpatch.upgrade/1"
 
 UNCHANGED, MOVED, CHANGED, NEW, REMOVED = "unchanged", "moved", "changed", "new", "removed"
-FIXED, REPLACED, UNMATCHED = "fixed-upstream", "replaced", "unmatched"
+REPLACED, UNMATCHED = "replaced", "unmatched"
+FIXED = FIXED_UPSTREAM  # the category has the site status's name
 SITE_CATEGORIES = (UNMATCHED, NEW, CHANGED, FIXED, REPLACED, REMOVED, MOVED, UNCHANGED)
 PLAN_CATEGORIES = (UNMATCHED, NEW, CHANGED, REPLACED, REMOVED, MOVED, UNCHANGED)
 
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK  # noqa: E402,F401 - re-exported
 
-# Site statuses, as in kvpatch.sites (imported lazily: the engine pulls libcst).
-_ACTION = ("hot", "unsupported")
-_HANDLED = ("patched",)
-_RESOLVED = ("gathered", "fixed-upstream", "no-op")
-CAST_METHODS = ("float", "half", "bfloat16", "double")
+_ACTION = NEEDS_ACTION
+_HANDLED = (PATCHED,)
+_RESOLVED = (GATHERED, FIXED_UPSTREAM, NOOP)
 SOURCE_LINES = 40  # a function longer than this is shown in excerpts
 MOVED_SIMILARITY = 0.6  # a vanished function "moved" to a same-named one at least this alike
 

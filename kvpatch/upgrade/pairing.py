@@ -6,6 +6,7 @@ import difflib
 import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from kvpatch.sites import PLAN_UNSUPPORTED
 from kvpatch.upgrade.gitref import RefTree
 from kvpatch.upgrade.inventory import Functions, normalize_statement
 from kvpatch.upgrade.model import CHANGED, Entry, FIXED, MOVED, MOVED_SIMILARITY, NEW, PLAN_CATEGORIES, REMOVED, REPLACED, SITE_CATEGORIES, UNCHANGED, UNMATCHED, _ACTION, _HANDLED, _RESOLVED
@@ -260,14 +261,14 @@ def compare_plans(old_plans: List, new_plans: List, t: Trees) -> List[Entry]:
             e.why += f"; {_relocated(o, n)}"
         if o.status != n.status:
             e.why += f"; status {o.status} -> {n.status}"
-        if n.status == "unsupported" and o.status != "unsupported":
+        if n.status == PLAN_UNSUPPORTED and o.status != PLAN_UNSUPPORTED:
             e.action = True
             e.why += f": {_one(n.reason)}"
             e.action_why = f"plan call now unsupported: {_one(n.reason)}"
         out.append(e)
     for n in only_new:
         e = Entry(NEW, None, n, statement_changed=True, why=_one(n.reason))
-        e.action = n.status == "unsupported"
+        e.action = n.status == PLAN_UNSUPPORTED
         e.action_why = f"new unsupported plan call: {_one(n.reason)}"
         out.append(e)
     new_by_fn: Dict[Tuple[str, str], List] = {}

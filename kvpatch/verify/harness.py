@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from kvpatch.names import RUNTIME_MODULE, RUNTIME_VERSION_VAR, STATE_DIR, STATE_FILE
+
 from . import fakes, stubs
 from .reference import make_flashinfer_stub
 from .report import SKIPPED, CaseResult, VerifyReport
@@ -44,7 +46,7 @@ from .world import BIG_SHAPES, CPU_SHAPES, GPU_SHAPES, QUICK_SHAPES, HarnessErro
 
 def _find_runtime(module):
     for v in vars(module).values():
-        if isinstance(v, types.ModuleType) and hasattr(v, "__kvpatch_runtime_version__"):
+        if isinstance(v, types.ModuleType) and hasattr(v, RUNTIME_VERSION_VAR):
             return v
     return None
 
@@ -86,8 +88,8 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
     targets, notes = find_targets(root)
     report.notes.extend(notes)
     if not targets:
-        report.add_reason("no patched file found (no .kvpatch/state.json and no file imports "
-                          "_kvpatch_runtime)")
+        report.add_reason(f"no patched file found (no {STATE_DIR}/{STATE_FILE} and no file imports "
+                          f"{RUNTIME_MODULE})")
         return report
     dev = _pick_device(device, report)
     if dev is None:

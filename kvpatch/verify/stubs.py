@@ -21,6 +21,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from kvpatch.names import RUNTIME_MODULE
+
 from . import fakes
 
 
@@ -278,7 +280,7 @@ class Sandbox(importlib.abc.MetaPathFinder):
         file can both be loaded under the same name, one after the other.
         """
         pkg = modname.rpartition(".")[0]
-        rt_name = f"{pkg}._kvpatch_runtime" if pkg else "_kvpatch_runtime"
+        rt_name = f"{pkg}.{RUNTIME_MODULE}" if pkg else RUNTIME_MODULE
         self._serve[modname] = _SourceLoader(source, filename)
         if runtime_path is not None:
             with open(runtime_path, encoding="utf-8") as f:

@@ -11,13 +11,11 @@ from typing import Dict, List, Optional, Tuple
 
 from kvpatch import git
 from kvpatch.safepath import UnsafePath, inside, is_link, read_regular
-from kvpatch.state import ORIGINALS as _ORIGINALS_DIR, STATE_DIR, STATE_FILE
+from kvpatch.names import ORIGINALS as _ORIGINALS_DIR, RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
+from kvpatch.names import STATE_DIR, STATE_FILE
 
 STATE = f"{STATE_DIR}/{STATE_FILE}"
 ORIGINALS = f"{STATE_DIR}/{_ORIGINALS_DIR}"
-RUNTIME_NAME = "_kvpatch_runtime"
-SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".kvpatch", ".tox", ".nox",
-             ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
 
 # The classes the harness knows how to drive; a patched file without them is
 # reported as skipped (verify covers the FlashInfer MLA backend only).
@@ -89,7 +87,7 @@ def _git_base(root: Path) -> Optional[str]:
 def _git_original(root: Path, rel: str) -> Tuple[Optional[str], str]:
     base = _git_base(root)
     if base is None:
-        return None, "no .kvpatch/state.json and not a git checkout"
+        return None, f"no {STATE} and not a git checkout"
     prefix = (_git(root, "rev-parse", "--show-prefix") or "").strip()
     text = _git(root, "show", f"{base}:{prefix}{rel}")
     if text is None:
@@ -103,7 +101,7 @@ def _scan_patched(root: Path) -> List[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for fn in sorted(filenames):
-            if not fn.endswith(".py") or fn == f"{RUNTIME_NAME}.py":
+            if not fn.endswith(".py") or fn == RUNTIME_FILENAME:
                 continue
             p = Path(dirpath) / fn
             try:  # never through a link, never blocking on a FIFO
@@ -155,14 +153,14 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
                            problem=f"unreadable {STATE}: {exc}")], notes
     else:
         entries = [{"path": rel} for rel in _scan_patched(root)]
-        notes.append("no .kvpatch/state.json: targets are the files that import "
+        notes.append(f"no {STATE}: targets are the files that import "
                      f"{RUNTIME_NAME}, originals from git")
 
     targets = []
     for e in entries:
         rel = str(e.get("path", "")).replace(os.sep, "/")
         path = root / rel
-        t = Target(rel, path, None, "", path.parent / f"{RUNTIME_NAME}.py")
+        t = Target(rel, path, None, "", path.parent / RUNTIME_FILENAME)
         targets.append(t)
         if not path.is_file():
             t.problem = f"patched file {rel} is missing"
