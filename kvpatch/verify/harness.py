@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import traceback
 import types
+from functools import partial
 from typing import Optional
 
 import torch
@@ -38,7 +39,8 @@ from .report import SKIPPED, CaseResult, VerifyReport
 from .fakes import DRAFT_EXTEND, TARGET_VERIFY
 from .side import DECODE_SITE, PREFILL_SITE, Side
 from .spec import DFLASH, EAGLE
-from .targets import Target, find_targets
+from .fa3 import verify_fa3_target
+from .targets import FA3, Target, find_targets
 from .verifier import FileVerifier
 # gpu/verify_real.py imports BIG_SHAPES and GPU_SHAPES from here.
 from .world import BIG_SHAPES, CPU_SHAPES, GPU_SHAPES, QUICK_SHAPES, HarnessError, Shapes, World  # noqa: F401
@@ -49,6 +51,13 @@ def _find_runtime(module):
         if isinstance(v, types.ModuleType) and hasattr(v, RUNTIME_VERSION_VAR):
             return v
     return None
+
+
+def _redirect(device, *modules):
+    """On the CPU path, the modules' hard-coded "cuda" factories make CPU tensors."""
+    if device.type != "cuda":
+        for m in modules:
+            m.torch = stubs.DeviceRedirectTorch(device)
 
 
 def _pick_device(device: str, report: VerifyReport) -> Optional[torch.device]:
@@ -122,6 +131,10 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
                     log(f"building a {shapes.pool_slots}-slot FP8 pool on {dev}")
                     world = World(shapes, dev)
                 try:
+                    if t.family == FA3:
+                        verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, _find_runtime,
+                                          partial(_redirect, world.device))
+                        continue
                     _verify_target(t, sandbox, world, shapes, modes, kernel, fi, graph, report, log)
                 except Exception as exc:  # a harness bug must not hide the other targets
                     where = traceback.extract_tb(exc.__traceback__)[-1]
@@ -134,7 +147,7 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
         else:
             os.environ["KVPATCH_MODE"] = saved_mode
     if not report.files and not report.errors:
-        report.add_reason("no patched FlashInfer MLA backend file found")
+        report.add_reason("no patched FlashInfer MLA or FA3 backend file found")
     if report.cases and not any(c.passed for c in report.cases) and not report.failures:
         report.add_reason("no case could run")
     return report
@@ -155,9 +168,7 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
     if rt is None:
         report.errors.append(f"{t.rel}: the patched module holds no kvpatch runtime module")
         return
-    if world.device.type != "cuda":
-        for m in (omod, pmod):
-            m.torch = stubs.DeviceRedirectTorch(world.device)
+    _redirect(world.device, omod, pmod)
     try:
         orig = Side("original", omod, osrc_name, t.original, world, t.rel)
         pat = Side("patched", pmod, str(t.path), t.path.read_text(encoding="utf-8"), world, t.rel)

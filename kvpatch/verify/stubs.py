@@ -24,6 +24,7 @@ import torch
 from kvpatch.names import RUNTIME_MODULE
 
 from . import fakes
+from .fa3_reference import REAL as FA3_REAL
 
 
 class Null:
@@ -139,7 +140,12 @@ REAL: Dict[str, object] = {
     "is_sm90_supported": lambda *a, **k: torch.cuda.is_available()
     and torch.cuda.get_device_capability()[0] == 9,
     "next_power_of_2": _next_power_of_2,
+    # The page-table kernels (sgl-kernel FA3, SGLang's paged_view), see fa3_reference.
+    **FA3_REAL,
 }
+# Top-level packages always served as stubs: sgl-kernel does not load on the machines
+# verify runs on, and the page-table family calls it (merge_state_v2, FA3).
+STUB_PACKAGES = ("sglang", "sgl_kernel")
 
 # Environment the module expects at import (old versions index os.environ).
 ENV_DEFAULTS = {"SGLANG_ENABLE_TORCH_COMPILE": "0"}
@@ -198,7 +204,7 @@ class Sandbox(importlib.abc.MetaPathFinder):
         self._open = False
 
     def _owned(self, name: str) -> bool:
-        return _is_under(name, "sglang") or (
+        return any(_is_under(name, top) for top in STUB_PACKAGES) or (
             self.flashinfer_stub is not None and _is_under(name, "flashinfer"))
 
     def open(self) -> "Sandbox":
@@ -245,7 +251,7 @@ class Sandbox(importlib.abc.MetaPathFinder):
         if self.flashinfer_stub is not None and _is_under(fullname, "flashinfer"):
             return importlib.machinery.ModuleSpec(
                 fullname, _Loader(self._make_flashinfer), is_package=True)
-        if _is_under(fullname, "sglang"):
+        if any(_is_under(fullname, top) for top in STUB_PACKAGES):
             return importlib.machinery.ModuleSpec(
                 fullname, _Loader(self._make_stub, StubModule), is_package=True)
         return None
@@ -286,9 +292,15 @@ class Sandbox(importlib.abc.MetaPathFinder):
             with open(runtime_path, encoding="utf-8") as f:
                 self._serve[rt_name] = _SourceLoader(f.read(), str(runtime_path))
         # Stub top-level packages the file imports but this machine lacks
-        # (old versions `import triton` at top), only while it executes, so
-        # that the runtime's own lazy `import triton` never sees a stub.
-        self._exec_only = {n for n in ("triton",) if importlib.util.find_spec(n) is None}
+        # (old versions `import triton` at top, FA3 `import numpy`), only while it executes, so
+        # that the runtime's own lazy `import triton` never sees a stub. torch's lazy
+        # modules probe numpy too (FA3's `@torch.compile` and `@torch._dynamo.disable()`
+        # at import): load them first, while the probe still finds no numpy.
+        missing = {n for n in ("triton", "numpy") if importlib.util.find_spec(n) is None}
+        if "numpy" in missing and ("torch.compile" in source or "torch._dynamo" in source):
+            torch.compile(len)
+            torch._dynamo.disable()(len)
+        self._exec_only = missing
         try:
             for name in (modname, rt_name):
                 sys.modules.pop(name, None)

@@ -22,6 +22,9 @@ ORIGINALS = f"{STATE_DIR}/{_ORIGINALS_DIR}"
 BACKEND_CLASS = "FlashInferMLAAttnBackend"
 DECODE_UPDATER = "FlashInferMLAIndicesUpdaterDecode"
 PREFILL_UPDATER = "FlashInferMLAIndicesUpdaterPrefill"
+# The page-table family (KVP103), driven by verify/fa3.py.
+FA3_CLASS = "FlashAttentionBackend"
+FLASHINFER_MLA, FA3 = "flashinfer_mla", "fa3"
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Target:
     runtime: Path                # the sibling _kvpatch_runtime.py
     problem: str = ""            # non-empty: cannot be verified, and why (a failure)
     skip: str = ""               # non-empty: not a file this harness drives (not a failure)
+    family: str = FLASHINFER_MLA  # which driver: FLASHINFER_MLA or FA3
 
 
 def qualname_map(source: str) -> List[Tuple[int, int, str]]:
@@ -62,11 +66,14 @@ def qualname_at(qmap: List[Tuple[int, int, str]], line: int) -> str:
     return best or "<module>"
 
 
-def defines_backend(source: str) -> bool:
-    """True if the file defines the backend and its updaters (SyntaxError propagates)."""
+def backend_family(source: str) -> str:
+    """FLASHINFER_MLA if the file defines the FlashInfer MLA backend and its updaters, FA3
+    if it defines FlashAttentionBackend, else "" (SyntaxError propagates)."""
     tree = ast.parse(source)
     names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
-    return {BACKEND_CLASS, DECODE_UPDATER, PREFILL_UPDATER} <= names
+    if {BACKEND_CLASS, DECODE_UPDATER, PREFILL_UPDATER} <= names:
+        return FLASHINFER_MLA
+    return FA3 if FA3_CLASS in names else ""
 
 
 def _git(root: Path, cmd: str, *args: str) -> Optional[str]:
@@ -180,13 +187,13 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
                 continue
         patched = read_regular(path).decode("utf-8")
         try:
-            is_backend = defines_backend(patched)
+            t.family = backend_family(patched)
         except SyntaxError as exc:
             t.problem = f"patched file {rel} does not parse: line {exc.lineno}: {exc.msg}"
             continue
-        if not is_backend:
-            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters; "
-                      "verify drives the FlashInfer MLA backend only")
+        if not t.family:
+            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters and no {FA3_CLASS}; "
+                      "verify drives the FlashInfer MLA and FA3 backends only")
         elif patched == t.original:
             t.problem = f"{rel} is identical to its original ({t.original_from}): not patched"
         elif RUNTIME_NAME in t.original:

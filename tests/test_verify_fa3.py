@@ -1,0 +1,252 @@
+"""kvpatch verify for the page-table family (FA3 absorbed MLA, rule KVP103), CPU path.
+
+The CI cases run on tests/data/fa3 (a hand-written FA3-shaped backend); the real-SGLang
+cases run on the mirror's HEAD checkout and releases 0.5.16 and 0.5.23 where they are
+unpacked (KVPATCH_SGLANG_RELEASES / KVPATCH_SGLANG_CHECKOUTS, else /work/cache), and
+skip with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from kvpatch.cli import main  # noqa: E402
+from kvpatch.verify import run_verify  # noqa: E402
+from kvpatch.verify.fa3_reference import flash_attn_with_kvcache, merge_state_v2  # noqa: E402
+from test_releases import RELEASES_ENV, _release_root  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "data" / "fa3"
+RUNTIME = REPO / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+FA3_REL = "sglang/srt/layers/attention/flashattention_backend.py"
+CHECKOUTS_ENV = "KVPATCH_SGLANG_CHECKOUTS"
+LOCAL_RELEASES = Path("/work/cache/releases")
+LOCAL_HEAD = Path("/work/cache/wt/4ad990ba7")  # the mirror's HEAD (2026-08-06)
+FA3_SITES = {"FlashAttentionBackend.forward_decode", "FlashAttentionBackend.forward_extend"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _wrap(body: str) -> str:
+    """The runtime with kv_pages_for_kernel wrapped (contract level: any implementation)."""
+    return RUNTIME.read_text() + "\n\n_kvverify_real = kv_pages_for_kernel\n\n" + body
+
+
+SHORT = _wrap('''
+def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
+    # Sabotage: every table is cast one page short.
+    def short(t):
+        pt, sl = _resolve(t)
+        return (pt, None if sl is None else (sl - page_size).clamp(min=0))
+    return _kvverify_real(kv_buffer, q_dtype, page_size, *[short(t) for t in tables])
+''')
+PAGE_SIZE_IGNORED = _wrap('''
+def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
+    # Sabotage: the table's entries are taken as token slots (page size 1).
+    return _kvverify_real(kv_buffer, q_dtype, 1, *tables)
+''')
+CASCADE_OMITTED = _wrap('''
+def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
+    # Sabotage: only the first call's table is cast (the cascade call's is left out).
+    return _kvverify_real(kv_buffer, q_dtype, page_size, *tables[:1])
+''')
+STALE = _wrap('''
+_kvverify_seen = {}
+
+
+def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
+    # Sabotage: the lengths are read from a copy taken the first time a buffer is seen,
+    # as when they come from a buffer the graph replay does not rewrite.
+    def stale(t):
+        pt, sl = _resolve(t)
+        if sl is None:
+            return (pt, sl)
+        key = sl.data_ptr()
+        if key not in _kvverify_seen:
+            _kvverify_seen[key] = (sl, sl.clone())  # holding sl keeps its address unique
+        return (pt, _kvverify_seen[key][1])
+    return _kvverify_real(kv_buffer, q_dtype, page_size, *[stale(t) for t in tables])
+''')
+
+
+def _apply(root: Path) -> Path:
+    r = CliRunner().invoke(main, ["apply", str(root)])
+    assert r.exit_code in (0, 1), r.output
+    assert (root / "python" / FA3_REL).read_text().count("kv_pages_for_kernel(") >= 2, r.output
+    return root
+
+
+def fixture_checkout(tmp_path: Path, runtime_text: str = None) -> Path:
+    root = tmp_path / "fa3"
+    shutil.copytree(FIXTURE, root)
+    _apply(root)
+    if runtime_text is not None:
+        (root / "python" / FA3_REL).with_name("_kvpatch_runtime.py").write_text(runtime_text)
+    return root
+
+
+def fa3_cases(report):
+    return [c for c in report.cases if c.qualname in FA3_SITES]
+
+
+def failures_text(report):
+    return "\n".join(f"{c.site} [{c.label()}]: {c.message}" for c in report.failures)
+
+
+def test_fixture_patch_passes(tmp_path):
+    r = run_verify(fixture_checkout(tmp_path), device="cpu")
+    cases = fa3_cases(r)
+    assert r.ok, r.format()
+    assert {c.qualname for c in cases if c.passed} == FA3_SITES
+    assert {c.route for c in cases if c.passed} >= {"decode", "decode:cascade", "prefill", "target_verify:cascade"}
+    assert {c.exec for c in cases if c.passed} == {"eager", "replay"}
+    for ps in (1, 16, 64):
+        assert any(f"page_size={ps} " in c.batch for c in cases if c.passed)
+    assert all(c.kernel == "reference-fa3" and c.tolerance.startswith("bit-identical") for c in cases)
+
+
+def test_unpatched_cast_is_caught(tmp_path):
+    root = fixture_checkout(tmp_path)
+    f = root / "python" / FA3_REL
+    text = f.read_text()
+    start = text.index("        kv_cache = _kvpatch_rt.kv_pages_for_kernel(")
+    end = text.index("        )\n", start) + len("        )\n")
+    f.write_text(text[:start] + "        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)\n"
+                 + text[end:])
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok
+    assert {c.qualname for c in r.failures} == {"FlashAttentionBackend.forward_extend"}
+    assert "full-pool cast not removed" in failures_text(r)
+
+
+def test_catches_a_page_short(tmp_path):
+    r = run_verify(fixture_checkout(tmp_path, SHORT), device="cpu", quick=True)
+    assert not r.ok
+    assert {c.qualname for c in r.failures} == FA3_SITES
+    assert {c.exec for c in r.failures} == {"eager", "replay"}
+    assert all(any(f"page_size={ps} " in c.batch for c in r.failures) for ps in (1, 64))
+    assert "NaN: a page the kernel reads was not cast" in failures_text(r)
+    assert FA3_REL in failures_text(r)
+
+
+def test_catches_page_size_ignored(tmp_path):
+    r = run_verify(fixture_checkout(tmp_path, PAGE_SIZE_IGNORED), device="cpu", quick=True)
+    assert not r.ok
+    assert {c.qualname for c in r.failures} == FA3_SITES
+    assert all("page_size=1 " not in c.batch for c in r.failures)  # right by luck at page size 1
+    assert any("page_size=1 " in c.batch for c in fa3_cases(r) if c.passed)
+
+
+def test_catches_cascade_table_left_out(tmp_path):
+    r = run_verify(fixture_checkout(tmp_path, CASCADE_OMITTED), device="cpu", quick=True)
+    assert not r.ok
+    assert r.failures and all(c.route == "decode:cascade" for c in r.failures)
+    assert "output differs from the original" in failures_text(r)
+
+
+def test_catches_stale_lengths_under_replay(tmp_path):
+    r = run_verify(fixture_checkout(tmp_path, STALE), device="cpu", quick=True)
+    assert not r.ok
+    assert all(c.passed for c in fa3_cases(r) if c.exec == "eager")
+    # the longer replay reads pages the capture-time lengths never named
+    assert r.failures and all(c.exec == "replay" and "kv_lens=[150, 70, 190]" in c.batch for c in r.failures)
+
+
+# --- the reference kernel -------------------------------------------------------------
+
+
+def _naive(q, qv, kc, vc, pt, sl, cu, scale, causal):
+    ps, outs, lses = kc.shape[1], [], []
+    for b in range(len(sl)):
+        n = int(cu[b + 1] - cu[b])
+        keys = [int(pt[b, j // ps]) * ps + j % ps for j in range(int(sl[b]))]
+        K, V = kc.reshape(-1, kc.shape[-1])[keys], vc.reshape(-1, vc.shape[-1])[keys]
+        for i in range(n):
+            t = int(cu[b]) + i
+            lim = int(sl[b]) - n + i + 1 if causal else len(keys)
+            s = (q[t] @ K[:lim].T + qv[t] @ V[:lim].T) * scale
+            outs.append(torch.softmax(s, -1) @ V[:lim])
+            lses.append(torch.logsumexp(s, -1))
+    return torch.stack(outs), torch.stack(lses, 1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_kernel_math(causal):
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(20, 4, 1, 8, generator=g), torch.randn(20, 4, 1, 6, generator=g)
+    pt = torch.tensor([[3, 7, 1], [5, 2, 9]], dtype=torch.int32)
+    sl = torch.tensor([10, 5], dtype=torch.int32)
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    q, qv = torch.randn(3, 4, 8, generator=g), torch.randn(3, 4, 6, generator=g)
+    o, lse = flash_attn_with_kvcache(q, kc, vc, qv=qv, page_table=pt, cache_seqlens=sl, cu_seqlens_q=cu,
+                                     softmax_scale=0.3, causal=causal, return_softmax_lse=True)
+    ro, rl = _naive(q, qv, kc, vc, pt, sl, cu, 0.3, causal)
+    assert torch.allclose(o, ro, atol=1e-5) and torch.allclose(lse, rl, atol=1e-5)
+    # Rows past a request's length never reach the output; a row inside does.
+    kc[9], vc[1, 2:] = float("nan"), float("nan")
+    assert torch.isfinite(flash_attn_with_kvcache(q, kc, vc, qv=qv, page_table=pt, cache_seqlens=sl,
+                                                  cu_seqlens_q=cu, causal=causal)).all()
+    vc[2, 0] = float("nan")
+    assert torch.isnan(flash_attn_with_kvcache(q, kc, vc, qv=qv, page_table=pt, cache_seqlens=sl,
+                                               cu_seqlens_q=cu, causal=causal)[2]).all()
+    # Merging the two halves of a split key set gives the whole.
+    o1, l1 = flash_attn_with_kvcache(q, kc.nan_to_num(), vc.nan_to_num(), qv=qv, page_table=pt[:, :1],
+                                     cache_seqlens=torch.tensor([4, 4], dtype=torch.int32), cu_seqlens_q=cu,
+                                     return_softmax_lse=True)
+    o2, l2 = flash_attn_with_kvcache(q, kc.nan_to_num(), vc.nan_to_num(), qv=qv, page_table=pt[:, 1:2],
+                                     cache_seqlens=torch.tensor([4, 1], dtype=torch.int32), cu_seqlens_q=cu,
+                                     return_softmax_lse=True)
+    ow, lw = flash_attn_with_kvcache(q, kc.nan_to_num(), vc.nan_to_num(), qv=qv, page_table=pt[:, :2],
+                                     cache_seqlens=torch.tensor([8, 5], dtype=torch.int32), cu_seqlens_q=cu,
+                                     return_softmax_lse=True)
+    om, lm = merge_state_v2(o1, l1.T.contiguous(), o2, l2.T.contiguous())
+    assert torch.allclose(om, ow, atol=1e-5) and torch.allclose(lm, lw.T, atol=1e-5)
+
+
+# --- real SGLang --------------------------------------------------------------------------
+
+
+def _real_tree(which, tmp_path, monkeypatch) -> Path:
+    """The FA3 backend of a real SGLang tree, alone in a fresh tree (apply and verify need no more)."""
+    if which == "HEAD":
+        base = Path(os.environ.get(CHECKOUTS_ENV, "").split(os.pathsep)[0] or LOCAL_HEAD)
+        src = base / "python" / FA3_REL
+        if not src.is_file():
+            pytest.skip(f"no SGLang checkout with {FA3_REL}: set {CHECKOUTS_ENV}=/path/to/sglang")
+    else:
+        if not os.environ.get(RELEASES_ENV) and LOCAL_RELEASES.is_dir():
+            monkeypatch.setenv(RELEASES_ENV, str(LOCAL_RELEASES))
+        src = _release_root(which, tmp_path / "whl") / FA3_REL
+    root = tmp_path / "tree"
+    (root / "python" / FA3_REL).parent.mkdir(parents=True)
+    shutil.copyfile(src, root / "python" / FA3_REL)
+    return _apply(root)
+
+
+@pytest.mark.parametrize("which", ["HEAD", "0.5.16", "0.5.23"])
+def test_real_sglang_fa3_verifies(which, tmp_path, monkeypatch):
+    r = run_verify(_real_tree(which, tmp_path, monkeypatch), device="cpu", quick=True)
+    assert r.ok, r.format()
+    assert {c.qualname for c in fa3_cases(r) if c.passed} == FA3_SITES
+    assert {c.route for c in fa3_cases(r) if c.passed} >= {"decode", "decode:cascade", "prefill",
+                                                            "target_verify:cascade"}
+
+
+def test_real_sglang_fa3_catches_a_page_short(tmp_path, monkeypatch):
+    root = _real_tree("HEAD", tmp_path, monkeypatch)
+    (root / "python" / FA3_REL).with_name("_kvpatch_runtime.py").write_text(SHORT)
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok and {c.qualname for c in r.failures} == FA3_SITES
