@@ -21,6 +21,7 @@ from kvpatch.cli import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from kvpatch.verify.fa3_reference import flash_attn_with_kvcache, merge_state_v2  # noqa: E402
 from test_releases import RELEASES_ENV, _release_root  # noqa: E402
+from test_verify_cpu import _one_thread  # noqa: E402,F401  (autouse: one torch thread)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "fa3"
@@ -30,14 +31,6 @@ CHECKOUTS_ENV = "KVPATCH_SGLANG_CHECKOUTS"
 LOCAL_RELEASES = Path("/work/cache/releases")
 LOCAL_HEAD = Path("/work/cache/wt/4ad990ba7")  # the mirror's HEAD (2026-08-06)
 FA3_SITES = {"FlashAttentionBackend.forward_decode", "FlashAttentionBackend.forward_extend"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _wrap(body: str) -> str:
