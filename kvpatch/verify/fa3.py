@@ -134,7 +134,10 @@ class FA3Side:
         fb = ForwardBatch(forward_mode=Mode(kind), batch_size=len(case.lens),
                           spec_info=object() if (kind == DECODE and case.expand is not None) else None,
                           attn_attend_prefix_cache=None, attn_cp_metadata=None, mha_return_lse=False)
-        fn = b.forward_decode if kind == DECODE else b.forward_extend
+        name = "forward_decode" if kind == DECODE else "forward_extend"
+        if not callable(getattr(type(b), name, None)):
+            raise HarnessError(f"{FA3_CLASS} has no {name}")
+        fn = getattr(b, name)
         o = call_bound(fn, dict(q=case.q_nope if q_nope is None else q_nope, k=None, v=None, layer=layer,
                                 forward_batch=fb, save_kv_cache=False,
                                 q_rope=case.q_pe if q_pe is None else q_pe, k_rope=None),
@@ -201,6 +204,12 @@ class FA3Verifier:
         exec_ = "graph" if self.capture else "replay"
         cases = [self.new_case(ps, lens, [1] * len(lens), width=width) for lens in replays]
         results = [self.case_result(DECODE, exec_, f"{cs.label()} (capture kv_lens={cap_lens})") for cs in cases]
+        try:
+            self.orig.forward(DECODE, cap)
+        except Exception as exc:
+            for c in results:
+                c.status, c.message = SKIPPED, f"original raised {_exc_text(exc, self.orig)}: nothing to compare"
+            return
         meta = cap.clone_meta()  # the graph's fixed buffers
         q_nope, q_pe = cap.q_nope.clone(), cap.q_pe.clone()
         try:
