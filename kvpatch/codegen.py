@@ -8,11 +8,13 @@ after the argument they followed.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
 from kvpatch.names import RUNTIME_ALIAS, RUNTIME_MODULE
+from kvpatch.units import leading_ws
 
 IMPORT_LINE = f"from . import {RUNTIME_MODULE} as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime"
 MAX_LINE = 88
@@ -135,3 +137,72 @@ def has_star_kwargs_call(call: cst.Call, func_attr: str) -> bool:
                 and a.value.func.attr.value == func_attr:
             return True
     return False
+
+
+# -- where a rewritten node sits: the one place rules get their layout from ----
+@dataclass(frozen=True)
+class Layout:
+    """How the code around a node is laid out (rules never read raw lines)."""
+
+    indent: str  # leading whitespace of the line the node starts on
+    block_indent: str  # leading whitespace of the statement holding it
+    unit: str  # one indentation level there: a tab or four spaces
+    column: int  # where the node starts
+    multiline: bool  # the node spans several lines
+    own_line: bool  # only whitespace precedes the node on its line
+
+
+def layout_of(node: cst.CSTNode, ctx) -> Layout:
+    """`ctx` is a match.UnitContext (positions of the function's nodes)."""
+    line = ctx.file.lines[ctx.line(node) - 1]
+    indent = leading_ws(line)
+    return Layout(indent=indent,
+                  block_indent=leading_ws(ctx.file.lines[ctx.line(ctx.line_statement(node)) - 1]),
+                  unit="\t" if indent.startswith("\t") else "    ",
+                  column=ctx.column(node),
+                  multiline=ctx.line(node) != ctx.end_line(node),
+                  own_line=line[:ctx.column(node)].strip() == "")
+
+
+def argument_call_text(func: str, args: Sequence[str], arg: cst.Arg, ctx) -> str:
+    """`func(args...)` to replace the value of call argument `arg`: one argument per
+    line where `arg` already has a line of its own, else on one line."""
+    lay = layout_of(arg, ctx)
+    if not lay.own_line:
+        return f"{func}({', '.join(args)})"
+    return call_text(func, [(a, None) for a in args], lay.indent, lay.unit, ctx.column(arg.value))
+
+
+def lambda_tuple(items: Sequence[str], lay: Layout, width: int = 100) -> str:
+    """`lambda: (a, b)` as one argument of an exploded call at `lay`; exploded
+    itself, one item per line, where it would pass `width` columns."""
+    inner = lay.indent + lay.unit
+    one = f"lambda: ({', '.join(items)})"
+    if len(inner) + len(lay.unit) + len(one) + 1 <= width:
+        return one
+    body = "".join(f"{inner}{lay.unit}{item},\n" for item in items)
+    return f"lambda: (\n{body}{inner})"
+
+
+def cast_builder(cand, ctx, func: str, before: Sequence[str] = (),
+                 after: Callable[[Layout], Sequence[str]] = lambda lay: (), explode: bool = False):
+    """A ReplaceNode builder turning the cast `cand.call` (a candidates.CastCandidate:
+    `R.to(D)`) into `func(R, *before, D, *after(layout))`. R keeps its layout one level
+    deeper; comments inside the cast follow D. The call is exploded, one argument per
+    line, when `explode`, when the cast spanned several lines or when it held a comment."""
+    lay = layout_of(cand.call, ctx)
+    comment = "  ".join(comments_in(cand.call, exclude=[cand.receiver, cand.form.dtype_arg.value])) or None
+    positional = cand.form.dtype_arg.keyword is None
+
+    def build(updated: cst.Call) -> cst.BaseExpression:
+        dtype = next(a for a in updated.args if a.value is not None and (
+            (positional and a.keyword is None) or (a.keyword is not None and a.keyword.value == "dtype")))
+        args = [(moved_code(updated.func.value, lay.block_indent, lay.unit), None),
+                *((b, None) for b in before),
+                (cst.Module(body=[]).code_for_node(dtype.value).strip(), comment),
+                *((a, None) for a in after(lay))]
+        text = call_text(func, args, lay.indent, lay.unit, lay.column,
+                         force_explode=explode or lay.multiline or comment is not None)
+        return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
+
+    return build

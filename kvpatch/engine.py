@@ -25,9 +25,8 @@ import libcst as cst
 from kvpatch import discover
 from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
 from kvpatch.classify import prove_noop
-from kvpatch.locate import (MLA_PLAN_ARITY, MLA_PLAN_FUNCTIONS, MLA_PLAN_KEYWORDS, MLA_PLAN_MAX_POSITIONAL,
-                            locate)
-from kvpatch.names import POOL_GETTERS
+from kvpatch.locate import locate, mla_plan_shape
+from kvpatch.names import MLA_PLAN_FUNCTIONS, PLAN_METHOD, POOL_GETTERS
 from kvpatch.match import FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
@@ -103,15 +102,11 @@ class _Calls(cst.CSTVisitor):
 
 
 def _is_mla_plan(call: cst.Call) -> bool:
-    if not is_attr(call.func, ("plan",)):
+    if not is_attr(call.func, (PLAN_METHOD,)):
         return False
-    kws = {a.keyword.value for a in call.args if a.keyword is not None}
-    if kws & MLA_PLAN_KEYWORDS:
-        return True
-    if any(a.star for a in call.args):
-        return False
-    pos = [a for a in call.args if a.keyword is None]
-    return len(pos) + len(kws) >= MLA_PLAN_ARITY and 8 <= len(pos) <= MLA_PLAN_MAX_POSITIONAL
+    return mla_plan_shape({a.keyword.value for a in call.args if a.keyword is not None},
+                          sum(1 for a in call.args if a.keyword is None and not a.star),
+                          any(a.star for a in call.args))
 
 
 def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:
@@ -232,11 +227,11 @@ def _site(ctx: UnitContext, node: cst.CSTNode, *, buffer: str, dtype: str, form:
     )
 
 
-def _first(rules, hook: str, call: cst.Call, ctx: UnitContext):
-    """(rule, answer) of the first rule whose `hook` (patched, fixed_upstream)
-    recognises `call`; (None, None) if none does."""
+def _first(rules, hook: str, node, ctx: UnitContext):
+    """(rule, answer) of the first rule whose `hook` (decide, patched,
+    fixed_upstream) answers for `node`; (None, None) if none does."""
     for r in rules:
-        got = getattr(r, hook)(call, ctx)
+        got = getattr(r, hook)(node, ctx)
         if got is not None:
             return r, got
     return None, None
@@ -315,11 +310,7 @@ def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_r
             decision, rule = Decision(NOOP, verdict.reason), fallback
         else:
             cand.guard_note = verdict.reason
-            for r in cast_rules:
-                decision = r.decide(cand, ctx)
-                if decision is not None:
-                    rule = r
-                    break
+            rule, decision = _first(cast_rules, "decide", cand, ctx)
     if decision is None and fallback is not None:
         decision, rule = fallback.decide(cand, ctx), fallback
     if decision is None:
@@ -335,13 +326,7 @@ def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_r
 
 
 def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_rules) -> None:
-    decision: Optional[Decision] = None
-    rule: Optional[Rule] = None
-    for r in plan_rules:
-        decision = r.decide(cand, ctx)
-        if decision is not None:
-            rule = r
-            break
+    rule, decision = _first(plan_rules, "decide", cand, ctx)
 
     def code(name):
         a = cand.arg(name)

@@ -64,17 +64,20 @@ class Located:
     module: ModuleFacts
 
 
+def mla_plan_shape(keywords: Set[str], positional: int, starred: bool) -> bool:
+    """Whether a `.plan(...)` call with these keyword names, this many positional
+    arguments and (or not) a `*`/`**` argument is an MLA wrapper's plan. Used on
+    Python's ast here and on libcst nodes by the engine."""
+    if keywords & MLA_PLAN_KEYWORDS:
+        return True
+    return not starred and positional + len(keywords) >= MLA_PLAN_ARITY and 8 <= positional <= MLA_PLAN_MAX_POSITIONAL
+
+
 def is_mla_plan_call(node: ast.Call) -> bool:
     if not (isinstance(node.func, ast.Attribute) and node.func.attr == PLAN_METHOD):
         return False
-    kws = {k.arg for k in node.keywords if k.arg}
-    if kws & MLA_PLAN_KEYWORDS:
-        return True
-    has_star = any(isinstance(a, ast.Starred) for a in node.args) or any(
-        k.arg is None for k in node.keywords
-    )
-    return (not has_star and len(node.args) + len(kws) >= MLA_PLAN_ARITY
-            and 8 <= len(node.args) <= MLA_PLAN_MAX_POSITIONAL)
+    starred = any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
+    return mla_plan_shape({k.arg for k in node.keywords if k.arg}, len(node.args), starred)
 
 
 def _call_name(node: ast.Call) -> Optional[str]:

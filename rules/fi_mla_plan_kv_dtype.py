@@ -24,11 +24,10 @@ from typing import Optional
 import libcst as cst
 
 from kvpatch.candidates import PlanCandidate
-from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, call_text, parse_expr
+from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, argument_call_text, parse_expr
 from kvpatch.match import UnitContext, simple_expr
 from kvpatch.rule import Decision, InsertStatement, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
-from kvpatch.sites import PLAN_IGNORED, PLAN_PATCHED, PLAN_REWRITE, PLAN_UNSUPPORTED
-from kvpatch.units import leading_ws
+from kvpatch.sites import PLAN_PATCHED, PLAN_REWRITE, PLAN_UNSUPPORTED
 
 KV_CACHE_ATTR = "_kvpatch_kv_cache_dtype"
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
@@ -467,15 +466,7 @@ class FlashInferMLAIndicesUpdaterDecode:
         )
         args = [ctx.code(cand.receiver), ctx.code(q.value), ctx.code(kv.value), f"{self_name}.{KV_CACHE_ATTR}",
                 ctx.code(causal.value)]
-        line_text = ctx.file.lines[ctx.line(kv) - 1]
-        column = ctx.column(kv.value)
-        if line_text[:ctx.column(kv)].strip() == "":
-            # One argument per line already: lay the new call out the same way.
-            indent = leading_ws(line_text)
-            unit = "\t" if indent.startswith("\t") else "    "
-            text = call_text(f"{RUNTIME_ALIAS}.{dtype_fn}", [(a, None) for a in args], indent, unit, column)
-        else:
-            text = f"{RUNTIME_ALIAS}.{dtype_fn}({', '.join(args)})"
+        text = argument_call_text(f"{RUNTIME_ALIAS}.{dtype_fn}", args, kv, ctx)
 
         def build(updated: cst.Arg) -> cst.Arg:
             if is_runtime_call(updated.value, dtype_fn):

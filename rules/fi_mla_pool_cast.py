@@ -18,21 +18,15 @@ from typing import List, Optional
 import libcst as cst
 
 from kvpatch.candidates import CastCandidate
-from kvpatch.codegen import (IMPORT_LINE, RUNTIME_ALIAS, append_star_kwargs, call_text, comments_in,
-                             has_star_kwargs_call, moved_code, parse_expr)
+from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, append_star_kwargs, cast_builder, has_star_kwargs_call, parse_expr
 from kvpatch.dataflow import loads_in
 from kvpatch.match import UnitContext, _contains, consumer_names, is_mla_run
 from kvpatch.stable import differs_at
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid
 from kvpatch.sites import HOT, UNSUPPORTED
-from kvpatch.units import leading_ws
 
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
 RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
-
-
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module(body=[]).code_for_node(node)
 
 
 class FlashInferMlaPoolCast(Rule):
@@ -371,7 +365,7 @@ class B:
         w_code = ctx.code(w_node)
         facts = ctx.class_facts
         self_name = ctx.unit.first_param
-        edits: List = [ReplaceNode(ctx.unit.qualname, cand.call, self._cast_builder(cand, ctx, w_code)),
+        edits: List = [ReplaceNode(ctx.unit.qualname, cand.call, cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{self.EMITS[0]}", [w_code])),
                        NeedRuntime()]
         kw_value = f"{RUNTIME_ALIAS}.{self.EMITS[1]}({w_code})"
         for c in runs:
@@ -413,31 +407,6 @@ class B:
                         if text not in notes:
                             notes.append(text)
         return notes
-
-    # -- builders ----------------------------------------------------------
-    @staticmethod
-    def _cast_builder(cand: CastCandidate, ctx: UnitContext, w_code: str):
-        # Continuation lines line up with the line the cast starts on.
-        indent = leading_ws(ctx.file.lines[ctx.line(cand.call) - 1])
-        block_indent = leading_ws(ctx.file.lines[ctx.line(ctx.line_statement(cand.call)) - 1])
-        unit = "\t" if indent.startswith("\t") else "    "
-        column = ctx.column(cand.call)
-        multiline = ctx.line(cand.call) != ctx.end_line(cand.call)
-        comments = comments_in(cand.call, exclude=[cand.receiver, cand.form.dtype_arg.value])
-        comment = "  ".join(comments) or None
-
-        def build(updated: cst.Call) -> cst.BaseExpression:
-            receiver = updated.func.value
-            dtype_arg = next(a for a in updated.args if a.value is not None and (
-                (cand.form.dtype_arg.keyword is None and a.keyword is None)
-                or (a.keyword is not None and a.keyword.value == "dtype")))
-            args = [(moved_code(receiver, block_indent, unit), None), (w_code, None),
-                    (_code(dtype_arg.value).strip(), comment)]
-            text = call_text(f"{RUNTIME_ALIAS}.{FlashInferMlaPoolCast.EMITS[0]}", args, indent, unit, column,
-                             force_explode=multiline or comment is not None)
-            return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
-
-        return build
 
 
 def _run_builder(kw_value: str):

@@ -24,13 +24,12 @@ from typing import List, Optional, Tuple
 import libcst as cst
 
 from kvpatch.candidates import CastCandidate
-from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, call_text, comments_in, moved_code, parse_expr
+from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, cast_builder, lambda_tuple
 from kvpatch.match import Consumer, UnitContext, consumer_names
 from kvpatch.stable import differs_at, stored_in
 from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid
 from kvpatch.sites import FIXED_UPSTREAM, HOT, UNSUPPORTED
-from kvpatch.units import leading_ws
 
 SEQLENS_KEYWORD = "cache_seqlens"
 CACHE_KEYWORDS = ("k_cache", "v_cache")
@@ -309,29 +308,8 @@ class FlashAttentionBackend:
 
     @staticmethod
     def _builder(cand: CastCandidate, ctx: UnitContext, ps: str, pairs: List[Tuple[str, str]]):
-        indent = leading_ws(ctx.file.lines[ctx.line(cand.call) - 1])
-        block_indent = leading_ws(ctx.file.lines[ctx.line(ctx.line_statement(cand.call)) - 1])
-        unit = "\t" if indent.startswith("\t") else "    "
-        column = ctx.column(cand.call)
-        comment = "  ".join(comments_in(cand.call, exclude=[cand.receiver, cand.form.dtype_arg.value])) or None
-        fn = f"{RUNTIME_ALIAS}.{PageTablePoolCast.EMITS[0]}"
-
-        def build(updated: cst.Call) -> cst.BaseExpression:
-            dtype = next(a for a in updated.args if a.value is not None and (
-                (cand.form.dtype_arg.keyword is None and a.keyword is None)
-                or (a.keyword is not None and a.keyword.value == "dtype")))
-            args = [(moved_code(updated.func.value, block_indent, unit), None),
-                    (cst.Module(body=[]).code_for_node(dtype.value), comment), (ps, None)]
-            inner = indent + unit
-            for pt, sl in pairs:
-                one = f"lambda: ({pt}, {sl})"
-                if len(inner) + len(unit) + len(one) + 1 > 100:
-                    one = f"lambda: (\n{inner}{unit}{pt},\n{inner}{unit}{sl},\n{inner})"
-                args.append((one, None))
-            text = call_text(fn, args, indent, unit, column, force_explode=True)
-            return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
-
-        return build
+        return cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{PageTablePoolCast.EMITS[0]}",
+                            after=lambda lay: [ps] + [lambda_tuple(p, lay) for p in pairs], explode=True)
 
 
 def _closure_tables(ctx: UnitContext, names, cand: CastCandidate) -> Tuple[List[Tuple[str, str]], str]:
