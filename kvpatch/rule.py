@@ -167,9 +167,34 @@ def _rule_classes(mod) -> List[Type[Rule]]:
             and obj.__module__ == mod.__name__ and getattr(obj, "ID", None)]
 
 
-def _modules() -> List[object]:
-    import kvpatch.rules as pkg
+# The built-in rules: rules/ at the top of the repository, installed as this
+# package (pyproject's package-dir; an editable install maps it the same way).
+BUILTIN_RULES = "kvpatch.rules"
 
+
+def _builtin_package():
+    """kvpatch.rules: inside the package where kvpatch is installed (a wheel,
+    `pip install .`); where kvpatch is imported from a source tree (a clone, an
+    editable install, `python -m pytest` in a clone with or without another kvpatch
+    installed), that tree's own rules/ folder, so the rules always come from the
+    same tree as the engine."""
+    pkg = sys.modules.get(BUILTIN_RULES)
+    if pkg is not None:
+        return pkg
+    here = Path(__file__).resolve().parent
+    source = here.parent / "rules"
+    if (here / "rules").is_dir() or not (source / "__init__.py").is_file():
+        return importlib.import_module(BUILTIN_RULES)
+    spec = importlib.util.spec_from_file_location(BUILTIN_RULES, source / "__init__.py",
+                                                  submodule_search_locations=[str(source)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[BUILTIN_RULES] = pkg
+    spec.loader.exec_module(pkg)
+    return pkg
+
+
+def _modules() -> List[object]:
+    pkg = _builtin_package()
     mods = [importlib.import_module(f"{pkg.__name__}.{info.name}")
             for info in pkgutil.iter_modules(pkg.__path__) if not info.name.startswith("_")]
     for folder in filter(None, os.environ.get(RULES_PATH_ENV, "").split(os.pathsep)):
