@@ -24,6 +24,7 @@ for s in $steps; do
     unified) python3 gpu/verify_real.py --unified --out "$OUT/unified" .gpu_payload/rel-0.5.2* 2>&1 | tee "$OUT/verify_unified.log" ;;
     dcp) python3 gpu/verify_real.py --dcp 2 --dcp-rank 1 --out "$OUT/dcp" .gpu_payload/rel-0.5.17 .gpu_payload/rel-0.5.2* 2>&1 | tee "$OUT/verify_dcp.log" ;;
     vtests) python3 -m pytest -q -ra tests/gpu/test_verify_gpu.py 2>&1 | tee "$OUT/verify_tests.log" ;;
+    fa3) python3 -m pytest -q -ra -s tests/gpu/test_verify_fa3_gpu.py 2>&1 | tee "$OUT/verify_fa3_tests.log" ;;
     attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
     *) echo "unknown step $s" ;;
   esac
