@@ -210,6 +210,18 @@ class FlashAttentionBackend:
             status="unsupported",
             why="the closure's page table is its own parameter's: not known at the cast",
         ),
+        Invalid(
+            """
+class XPUAttentionBackend:
+    def forward_decode(self, q, q_rope, layer, metadata):
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        return flash_mla_decode(q, q_rope, kv_cache.view(-1, self.page_size, layer.head_dim),
+                                metadata.cache_seqlens_int32, metadata.page_table, self.workspace, layer.scaling)
+""",
+            status="hot",
+            why="XPU decode (SGLang HEAD to 0.5.23): flash_mla_decode takes the table and lengths positionally; "
+                "reported with that reason, not rewritten",
+        ),
     )
 
     # -- recognise ----------------------------------------------------------
@@ -239,7 +251,7 @@ class FlashAttentionBackend:
     def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
         paged = [c for c in cand.consumers if paged_call(c)]
         if not paged:
-            return None  # not a page-table consumer: not this rule's
+            return _positional_pages(cand, ctx)  # None: not a page-table consumer, not this rule's
         others = [c for c in cand.consumers if not paged_call(c)]
         if others:
             return Decision(UNSUPPORTED, f"the cast also reaches {consumer_names(others, ctx)}; only page-table "
@@ -310,6 +322,25 @@ class FlashAttentionBackend:
     def _builder(cand: CastCandidate, ctx: UnitContext, ps: str, pairs: List[Tuple[str, str]]):
         return cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{PageTablePoolCast.EMITS[0]}",
                             after=lambda lay: [ps] + [lambda_tuple(p, lay) for p in pairs], explode=True)
+
+
+def _positional_pages(cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
+    """Why a kernel that takes the pages positionally (XPU's `flash_mla_decode(q_nope, q_rope,
+    cache.view(-1, page_size, 576), seqlens, page_table, ...)`) keeps its full-pool cast."""
+    for c in cand.consumers:
+        if c.kind != "call" or c.call is None or c.keyword is not None:
+            continue
+        table = next((a.value for a in c.call.args if a.keyword is None
+                      and ctx.code(a.value).endswith(PAGED_KEYWORDS)), None)
+        if table is None:
+            continue
+        guard = f" {cand.guard_note}." if cand.guard_note else ""
+        return Decision(HOT, f"full-pool cast consumed by {consumer_names([c], ctx)}, which takes the paged cache "
+                             f"and `{ctx.code(table)}` as positional arguments (no `page_table=`/`{SEQLENS_KEYWORD}=`): "
+                             f"which position holds the lengths, and that the kernel reads only "
+                             f"`ceil(len / page_size)` pages of each row, is not checked against its source "
+                             f"(sgl-kernel's XPU build), so KVP103 does not rewrite it.{guard}")
+    return None
 
 
 def _closure_tables(ctx: UnitContext, names, cand: CastCandidate) -> Tuple[List[Tuple[str, str]], str]:
