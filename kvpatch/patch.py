@@ -1,40 +1,34 @@
-"""patch: audit -> plan -> rewrite -> write, for `apply`, `revert` and `status`.
+"""patch: audit -> plan -> rewrite -> write, for `apply`.
 
 `build` computes everything `apply` would do without touching the disk (that
 is `--dry-run`); `apply` writes it through ``write.apply_writes`` (all files or
-none) and records ``.kvpatch/state.json``; `revert` restores the recorded
-originals byte for byte; `status` compares the checkout with its record.
+none) and records ``.kvpatch/state.json``. `revert` (kvpatch/revert.py) restores
+the recorded originals byte for byte; `status` (kvpatch/status.py) compares the
+checkout with its record; kvpatch/guarded.py holds the steps both writers share.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-from contextlib import contextmanager
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, gittxn, lock, reverse, write
-from kvpatch.engine import ScanResult, analyze_source, scan_tree
+from kvpatch import RULESET_VERSION, __version__, checkout, write
+from kvpatch.engine import analyze_source, scan_tree
+from kvpatch.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
+                             _is_state, _locked, _refuse_pending, _write_and_commit)  # PatchError: the CLI's
+from kvpatch.revert import RevertResult, revert  # noqa: F401 - the CLI calls patch.revert
 from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version
-from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError
 from kvpatch.safepath import is_link, read_regular
-from kvpatch.state import (JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord,
-                           State, load, sha256)
+from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError, ScanResult
+from kvpatch.state import (ORIGINALS, STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord, State, load,
+                           sha256)
 
 
-# .kvpatch/ holds the originals and state.json: never part of a commit (git has
-# the originals), so it ignores itself, the way .pytest_cache/ does.
-GIT_IGNORE = f"{STATE_DIR}/.gitignore"
-IGNORE_ALL = b"*\n"
-NO_VERIFY_HINT = f"{checkout.NO_VERIFY} skips the hooks"
-
-
-class PatchError(Exception):
-    """A refusal with a one-line reason (exit code 2)."""
 
 
 @dataclass
@@ -296,164 +290,3 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
     if info is not None and not (root / GIT_IGNORE).exists():
         writes.append(write.FileWrite(GIT_IGNORE, IGNORE_ALL))
     return writes, state
-
-
-# -- revert --------------------------------------------------------------------
-@dataclass
-class RevertResult:
-    restored: List[str]
-    removed: List[str]
-    commit: Optional[str]
-    git: bool
-    notice: str = ""
-    kept_edits: List[str] = field(default_factory=list)  # restored with the user's later edits kept
-
-
-def revert(root: Path, **kw) -> RevertResult:
-    """Restore every original byte, holding the checkout's write lock."""
-    root = root.resolve()
-    with _locked(root):
-        return _revert(root, **kw)
-
-
-def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_verify=False) -> RevertResult:
-    _refuse_pending(root)
-    st = load(root)
-    if st is None:
-        raise PatchError(f"{root} has no {STATE_DIR}/{STATE_FILE}: it was not patched by kvpatch apply "
-                         f"(or the record was removed)")
-    info = checkout.git_info(root)
-    if info is not None and not allow_dirty and not no_commit:
-        tracked = {info.rel_to_repo(root, f.path) for f in st.files}
-        dirty = sorted(set(checkout.dirty_paths(info, root)) - tracked)
-        if dirty:
-            raise PatchError(f"the git tree has uncommitted changes ({dirty[0]}...): commit or stash them, "
-                             f"or pass --allow-dirty / --no-commit")
-    writes: List[write.FileWrite] = []
-    restored, removed, edited = [], [], []
-    for f in st.files:
-        p = root / f.path
-        cur = read_regular(p) if p.exists() else None
-        orig = read_regular(root / f.original_copy)
-        if sha256(orig) != f.original_sha256:
-            raise PatchError(f"{f.original_copy}: the recorded original was modified; refusing to restore it")
-        if cur is not None and sha256(cur) not in (f.patched_sha256, f.original_sha256) and not force:
-            kept = _reverse_edited(f, cur, orig)
-            if kept is not None:  # edited elsewhere: the rewrite is taken back, the edits stay
-                writes.append(write.FileWrite(f.path, kept))
-                writes.append(write.FileWrite(f.original_copy, None))
-                restored.append(f.path)
-                edited.append(f.path)
-                continue
-            raise PatchError(f"{f.path} was edited since apply (drift): `kvpatch status` shows where; "
-                             f"pass --force to restore the original anyway (your edits are kept in "
-                             f"{f.path}.kvpatch-drifted)")
-        if cur is not None and sha256(cur) not in (f.patched_sha256, f.original_sha256):
-            writes.append(write.FileWrite(f.path + ".kvpatch-drifted", cur))
-        if cur != orig:
-            writes.append(write.FileWrite(f.path, orig))
-            restored.append(f.path)
-        writes.append(write.FileWrite(f.original_copy, None))
-    for r in st.runtime_files:
-        p = root / r.path
-        if r.created:
-            if p.exists():
-                writes.append(write.FileWrite(r.path, None))
-                removed.append(r.path)
-        elif r.original_copy:
-            writes.append(write.FileWrite(r.path, read_regular(root / r.original_copy)))
-            writes.append(write.FileWrite(r.original_copy, None))
-            restored.append(r.path)
-    writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", None))
-    if (root / GIT_IGNORE).exists():
-        writes.append(write.FileWrite(GIT_IGNORE, None))
-    if info is not None and not no_commit:
-        _git_preflight(info)
-    commit_sha = None
-    notice = "" if info is not None else f"{checkout.plain_reason(root)}: files restored in place, no commit"
-    if info is not None and no_commit:
-        notice = "--no-commit: files restored in place, no commit"
-
-    def finish():
-        nonlocal commit_sha
-        if info is not None and not no_commit:
-            commit_sha = _revert_commit(info, root, writes, len(restored), len(removed), no_verify)
-        # .kvpatch/'s emptied folders go only once the commit is made (a refused
-        # commit rolls the originals back into them) and before the journal goes.
-        _prune_empty(root / STATE_DIR)
-
-    _write_and_commit(root, writes, "revert", finish, _git_record(info, no_commit))
-    _prune_empty(root / STATE_DIR)
-    return RevertResult(restored, removed, commit_sha, info is not None, notice, edited)
-
-
-def _reverse_edited(f, cur: bytes, orig: bytes) -> Optional[bytes]:
-    """`cur` (edited since apply) with kvpatch's rewrite taken back, or None."""
-    rules_used = sorted({s.rule for s in f.sites if s.rule})
-    patched = reverse.rebuild_patched(f.path, orig, f.patched_sha256, (None, rules_used or None))
-    return None if patched is None else reverse.reverse_patch(cur, patched, orig)
-
-
-def _revert_commit(info, root: Path, writes: List[write.FileWrite], restored: int, removed: int,
-                   no_verify: bool) -> str:
-    # Removals only of what git tracks: .kvpatch/ is ignored (an apply by an
-    # older kvpatch committed it, and then its removal is committed too).
-    add = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None and not _is_state(w.rel)]
-    rm = checkout.tracked(info, [info.rel_to_repo(root, w.rel) for w in writes if w.data is None])
-    return checkout.commit(info, add + rm, f"kvpatch: revert ({restored} files restored, "
-                                           f"{removed} runtime files removed)\n", no_verify)
-
-
-def _git_record(info, no_commit: bool) -> Optional[dict]:
-    """Where HEAD is before the git steps, for the journal: a kill in the middle
-    of them is undone ref for ref. None when the write makes no git step."""
-    return None if info is None or no_commit else gittxn.record(info)
-
-
-def _write_and_commit(root: Path, writes: List[write.FileWrite], op: str, finish: Callable[[], None],
-                      git: Optional[dict]) -> None:
-    """All files or none; a refused commit (a hook, signing, identity) rolls
-    the files back too, and its output is the error."""
-    try:
-        write.apply_writes(root, writes, op, before_finish=finish, git=git)
-    except checkout.GitError as exc:
-        raise PatchError(f"git commit failed, every file was rolled back ({NO_VERIFY_HINT}):\n{exc}") from None
-
-
-def _is_state(rel: str) -> bool:
-    return rel == STATE_DIR or rel.startswith(STATE_DIR + "/")
-
-
-def _git_preflight(info) -> None:
-    try:
-        checkout.preflight(info)
-    except checkout.GitError as exc:
-        raise PatchError(f"git would refuse the commit, nothing was changed: {exc}") from None
-
-
-@contextmanager
-def _locked(root: Path):
-    try:
-        with lock.exclusive(root):
-            yield
-    except lock.Busy as exc:
-        raise PatchError(str(exc)) from None
-
-
-def _refuse_pending(root: Path) -> None:
-    """A journal is never rolled back on the side: it may not be this machine's
-    (a cloned fork can ship one), so `kvpatch recover` shows it and asks nothing else."""
-    j = write.pending(root)
-    if j is not None:
-        raise PatchError(f"an interrupted `kvpatch {j.get('op', '?')}` left {STATE_DIR}/{JOURNAL_FILE}: "
-                         f"run `kvpatch recover --dry-run` to see what undoing it does, then `kvpatch recover`")
-
-
-def _prune_empty(d: Path) -> None:
-    if not d.is_dir():
-        return
-    for sub in sorted(d.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if sub.is_dir() and not any(sub.iterdir()) and sub.name != write.TXN_DIR:
-            sub.rmdir()
-    if d.exists() and not any(d.iterdir()):
-        d.rmdir()
