@@ -28,7 +28,6 @@ class Definition:
     source: Optional[cst.BaseExpression] = None  # for unpack: the whole right-hand side
     index: Optional[int] = None  # for unpack: the element position
     guards: Tuple[Tuple[cst.BaseExpression, bool], ...] = ()
-    order: int = 0
 
 
 class _Loads(cst.CSTVisitor):
@@ -122,12 +121,10 @@ class _Builder:
     def __init__(self, func: cst.FunctionDef) -> None:
         self.flow = FunctionFlow(func)
         self.guards: List[Tuple[cst.BaseExpression, bool]] = []
-        self.order = 0
 
     # -- definitions -----------------------------------------------------
     def new_def(self, state: State, name: str, kind: str, stmt, **kw) -> None:
-        d = Definition(len(self.flow.defs), name, kind, stmt, guards=tuple(self.guards),
-                       order=self.order, **kw)
+        d = Definition(len(self.flow.defs), name, kind, stmt, guards=tuple(self.guards), **kw)
         self.flow.defs.append(d)
         if state is not None:
             state[name] = frozenset([d.id])
@@ -173,7 +170,6 @@ class _Builder:
         return state
 
     def stmt(self, state: State, s: cst.CSTNode) -> State:
-        self.order += 1
         if isinstance(s, cst.SimpleStatementLine):
             return self.block(state, s.body)
         if isinstance(s, cst.Assign):

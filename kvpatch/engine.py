@@ -9,12 +9,10 @@ the process boundary, so ``apply`` re-analyses the few files it rewrites.
 from __future__ import annotations
 
 import ast
-import io
 import os
 import signal
 import sys
 import time
-import tokenize
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +27,9 @@ from kvpatch.locate import locate, mla_plan_shape
 from kvpatch.names import MLA_PLAN_FUNCTIONS, PLAN_METHOD, POOL_GETTERS
 from kvpatch.match import FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
-from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, PlanCall, Site,
-                           backend_name, path_kind)
-from kvpatch.units import ParsedUnit, UnitParseError, parse_unit, split_lines
+from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, FileRecords, PlanCall,  # noqa: F401
+                           ScanResult, Site, backend_name, path_kind)  # ScanResult: re-exported
+from kvpatch.units import ParsedUnit, UnitParseError, decode, encode, parse_unit, split_lines  # noqa: F401
 
 
 
@@ -66,30 +64,6 @@ class FileAnalysis:
 
     def records(self) -> "FileRecords":
         return FileRecords(self.rel, self.sites, self.plans, self.errors, self.fixable)
-
-
-@dataclass
-class FileRecords:
-    """What crosses process boundaries."""
-
-    rel: str
-    sites: List[Site]
-    plans: List[PlanCall]
-    errors: List[FileError]
-    fixable: bool
-
-
-# -- decoding --------------------------------------------------------------
-def decode(data: bytes) -> Tuple[str, str, bool]:
-    """(text, encoding, had_bom); raises UnicodeDecodeError / SyntaxError."""
-    enc, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    bom = enc == "utf-8-sig"
-    return data.decode(enc), ("utf-8" if bom else enc), bom
-
-
-def encode(text: str, encoding: str, bom: bool) -> bytes:
-    data = text.encode(encoding)
-    return (b"\xef\xbb\xbf" + data) if bom else data
 
 
 # -- per file --------------------------------------------------------------
@@ -349,29 +323,7 @@ def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_r
     fa.decided.append(Decided(rec, decision, rule))
 
 
-# -- a whole tree ----------------------------------------------------------
-@dataclass
-class ScanResult:
-    root: Path
-    files_scanned: int
-    candidates: int
-    files: List[FileRecords]
-    errors: List[FileError]
-    seconds: float
-
-    @property
-    def sites(self) -> List[Site]:
-        return [s for f in self.files for s in f.sites]
-
-    @property
-    def plans(self) -> List[PlanCall]:
-        return [p for f in self.files for p in f.plans]
-
-    @property
-    def all_errors(self) -> List[FileError]:
-        return self.errors + [e for f in self.files for e in f.errors]
-
-
+# -- a whole tree (ScanResult: kvpatch.sites) -------------------------------
 def _scan_chunk(args) -> Tuple[int, List[FileRecords], List[FileError]]:
     root, paths, select = args
     rules = load_rules(select)

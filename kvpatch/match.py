@@ -366,15 +366,6 @@ def is_kv_dtype_expr(e: cst.BaseExpression, ctx: UnitContext) -> bool:
     return False
 
 
-def dotted(e: cst.BaseExpression) -> Optional[str]:
-    if isinstance(e, cst.Name):
-        return e.value
-    if isinstance(e, cst.Attribute):
-        base = dotted(e.value)
-        return f"{base}.{e.attr.value}" if base else None
-    return None
-
-
 def simple_expr(e: cst.BaseExpression) -> bool:
     """Safe to evaluate twice: a name, an attribute chain, or a constant."""
     if isinstance(e, (cst.Name, cst.Integer, cst.Float)):

@@ -8,9 +8,8 @@ from collections import Counter
 from typing import Dict, List
 
 from kvpatch import RULESET_VERSION, __version__
-from kvpatch.engine import ScanResult
 from kvpatch.sites import (FIXED_UPSTREAM, GATHERED, HOT, NEEDS_ACTION, NOOP, PATCHED, PLAN_IGNORED, PLAN_REWRITE,
-                           PLAN_STATUSES, SITE_STATUSES, UNSUPPORTED, Site)
+                           PLAN_STATUSES, SITE_STATUSES, UNSUPPORTED, ScanResult, Site)
 
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 

@@ -16,10 +16,10 @@ from typing import Dict, List, Optional, Sequence
 import libcst as cst
 
 from kvpatch.codegen import IMPORT_LINE
-from kvpatch.engine import FileAnalysis, analyze_source, encode
+from kvpatch.engine import FileAnalysis, analyze_source
 from kvpatch.rule import InsertStatement, NeedRuntime, ReplaceNode, Rule
 from kvpatch.sites import PlanCall, Site
-from kvpatch.units import splice
+from kvpatch.units import encode, splice
 
 
 class RewriteError(Exception):

@@ -10,6 +10,7 @@ boundaries, feed the reports and the upgrade audit, and are written to
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional
 
 # Site statuses.
@@ -92,6 +93,39 @@ class FileError:
 
     def to_dict(self) -> Dict:
         return asdict(self)
+
+
+@dataclass
+class FileRecords:
+    """What crosses process boundaries."""
+
+    rel: str
+    sites: List[Site]
+    plans: List[PlanCall]
+    errors: List[FileError]
+    fixable: bool
+
+
+@dataclass
+class ScanResult:
+    root: Path
+    files_scanned: int
+    candidates: int
+    files: List[FileRecords]
+    errors: List[FileError]
+    seconds: float
+
+    @property
+    def sites(self) -> List[Site]:
+        return [s for f in self.files for s in f.sites]
+
+    @property
+    def plans(self) -> List[PlanCall]:
+        return [p for f in self.files for p in f.plans]
+
+    @property
+    def all_errors(self) -> List[FileError]:
+        return self.errors + [e for f in self.files for e in f.errors]
 
 
 def path_kind(qualname: str) -> str:

@@ -10,7 +10,9 @@ lines. The rewritten unit replaces exactly its own line range.
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
+import tokenize
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -151,6 +153,19 @@ class ParsedUnit:
 
 
 _LINE = re.compile(r"[^\r\n]*(?:\r\n|\n|\r)|[^\r\n]+$")
+
+
+# -- source bytes <-> text ----------------------------------------------
+def decode(data: bytes) -> Tuple[str, str, bool]:
+    """(text, encoding, had_bom); raises UnicodeDecodeError / SyntaxError."""
+    enc, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    bom = enc == "utf-8-sig"
+    return data.decode(enc), ("utf-8" if bom else enc), bom
+
+
+def encode(text: str, encoding: str, bom: bool) -> bytes:
+    data = text.encode(encoding)
+    return (b"\xef\xbb\xbf" + data) if bom else data
 
 
 def split_lines(text: str) -> List[str]:

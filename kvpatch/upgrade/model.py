@@ -6,9 +6,9 @@ import difflib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 from kvpatch import RULESET_VERSION, __version__
-from kvpatch.sites import FIXED_UPSTREAM, GATHERED, NEEDS_ACTION, NOOP, PATCHED
+from kvpatch.sites import FIXED_UPSTREAM, GATHERED, NEEDS_ACTION, NOOP, PATCHED, PlanCall, ScanResult, Site
 
 SCHEMA_ID = "kvpatch.upgrade/1"
 
@@ -104,8 +104,8 @@ class FunctionInfo:
 @dataclass
 class Entry:
     category: str
-    old: object = None  # Site | PlanCall | None
-    new: object = None
+    old: Union[Site, PlanCall, None] = None
+    new: Union[Site, PlanCall, None] = None
     action: bool = False
     why: str = ""
     statement_changed: bool = False
@@ -119,7 +119,7 @@ class Entry:
 
     @property
     def is_site(self) -> bool:
-        return hasattr(self.rec, "buffer")
+        return isinstance(self.rec, Site)
 
     @property
     def key(self) -> str:
@@ -156,7 +156,7 @@ class Tree:
     display: str  # what to call it
     ref: Optional[str]
     commit: Optional[str]
-    scan: object  # engine.ScanResult
+    scan: ScanResult
 
     def to_dict(self) -> Dict:
         from kvpatch.report import summary_counts
