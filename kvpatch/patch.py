@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, write
+from kvpatch import RULESET_VERSION, __version__, checkout, originals, write
 from kvpatch.engine import analyze_source, scan_tree
 from kvpatch.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
                              _is_state, _locked, _refuse_pending, _write_and_commit)  # PatchError: the CLI's
-from kvpatch.revert import RevertResult, revert  # noqa: F401 - the CLI calls patch.revert
+from kvpatch.revert import RevertResult, revert, original as revert_original  # noqa: F401 - the CLI calls patch.revert
 from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version
 from kvpatch.safepath import is_link, read_regular
 from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError, ScanResult
-from kvpatch.state import (ORIGINALS, STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord, State, load,
+from kvpatch.state import (STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord, State, load,
                            sha256)
 
 
@@ -235,8 +235,8 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
         branch = checkout.branch_name(info, root)
         checkout.create_branch(info, branch)
         try:
-            # The checkout's own files only: the originals and state.json live
-            # in .kvpatch/ (git-ignored), since git already has the originals.
+            # The checkout's own files only: state.json lives in .kvpatch/
+            # (git-ignored); the originals are in git at the branch's base.
             paths = [info.rel_to_repo(root, w.rel) for w in writes if not _is_state(w.rel)]
             commit_sha = checkout.commit(info, paths, commit_message(patch), no_verify)
         except BaseException:
@@ -256,13 +256,17 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
     prior = {f.path: f for f in old_state.files} if old_state else {}
     files: Dict[str, FileRecord] = dict(prior)
     for rw in patch.rewrites:
-        copy = f"{STATE_DIR}/{ORIGINALS}/{rw.rel}"
         rec_prior = prior.get(rw.rel)
-        original = read_regular(root / (rec_prior.original_copy if rec_prior else rw.rel))
         if rec_prior is None:
-            writes.append(write.FileWrite(copy, original))
+            original = read_regular(root / rw.rel)
+            copy, commit = originals.keep(root, info, rw.rel, original)
+            if copy is not None:
+                writes.append(write.FileWrite(copy, original))
+        else:
+            copy, commit = rec_prior.original_copy, rec_prior.original_commit
+            original = revert_original(root, rec_prior.path, copy, commit, rec_prior.original_sha256)
         files[rw.rel] = FileRecord(rw.rel, sha256(original), sha256(rw.new_bytes), copy,
-                                   (rec_prior.sites if rec_prior else []) + _site_records(rw))
+                                   (rec_prior.sites if rec_prior else []) + _site_records(rw), commit)
         writes.append(write.FileWrite(rw.rel, rw.new_bytes))
     runtimes = {r.path: r for r in (old_state.runtime_files if old_state else [])}
     for rt in patch.runtimes:
@@ -270,8 +274,10 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
         if rec is None:
             rec = RuntimeRecord(rt.rel, sha256(rt.data), rt.old is None)
             if rt.old is not None:
-                rec.original_copy = f"{STATE_DIR}/{ORIGINALS}/{rt.rel}"
-                writes.append(write.FileWrite(rec.original_copy, rt.old))
+                rec.original_copy, rec.original_commit = originals.keep(root, info, rt.rel, rt.old)
+                rec.original_sha256 = sha256(rt.old)
+                if rec.original_copy is not None:
+                    writes.append(write.FileWrite(rec.original_copy, rt.old))
         rec.sha256 = sha256(rt.data)
         runtimes[rt.rel] = rec
         writes.append(write.FileWrite(rt.rel, rt.data))

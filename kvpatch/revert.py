@@ -11,12 +11,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kvpatch import checkout, reverse, write
+from kvpatch import checkout, originals, reverse, write
 from kvpatch.guarded import (GIT_IGNORE, PatchError, _git_preflight, _git_record, _is_state, _locked,
                              _refuse_pending, _write_and_commit)
 from kvpatch.names import STATE_DIR, STATE_FILE
 from kvpatch.safepath import read_regular
 from kvpatch.state import load, sha256
+
+
+def original(root: Path, rel: str, copy: Optional[str], commit: Optional[str], want: Optional[str]) -> bytes:
+    """The recorded original of rel (a copy, or git at the commit apply started from), hash-checked."""
+    try:
+        return originals.read(root, rel, copy, commit, want)
+    except originals.OriginalError as exc:
+        raise PatchError(f"{exc}; refusing to restore it, nothing was changed") from None
+
+
+def _drop_copy(copy: Optional[str]) -> List[write.FileWrite]:
+    """The removal of an original's copy; none where the original is in git."""
+    return [] if copy is None else [write.FileWrite(copy, None)]
 
 
 @dataclass
@@ -54,14 +67,12 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
     for f in st.files:
         p = root / f.path
         cur = read_regular(p) if p.exists() else None
-        orig = read_regular(root / f.original_copy)
-        if sha256(orig) != f.original_sha256:
-            raise PatchError(f"{f.original_copy}: the recorded original was modified; refusing to restore it")
+        orig = original(root, f.path, f.original_copy, f.original_commit, f.original_sha256)
         if cur is not None and sha256(cur) not in (f.patched_sha256, f.original_sha256) and not force:
             kept = _reverse_edited(f, cur, orig)
             if kept is not None:  # edited elsewhere: the rewrite is taken back, the edits stay
                 writes.append(write.FileWrite(f.path, kept))
-                writes.append(write.FileWrite(f.original_copy, None))
+                writes.extend(_drop_copy(f.original_copy))
                 restored.append(f.path)
                 edited.append(f.path)
                 continue
@@ -73,16 +84,17 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
         if cur != orig:
             writes.append(write.FileWrite(f.path, orig))
             restored.append(f.path)
-        writes.append(write.FileWrite(f.original_copy, None))
+        writes.extend(_drop_copy(f.original_copy))
     for r in st.runtime_files:
         p = root / r.path
         if r.created:
             if p.exists():
                 writes.append(write.FileWrite(r.path, None))
                 removed.append(r.path)
-        elif r.original_copy:
-            writes.append(write.FileWrite(r.path, read_regular(root / r.original_copy)))
-            writes.append(write.FileWrite(r.original_copy, None))
+        elif r.original_copy or r.original_commit:
+            writes.append(write.FileWrite(r.path, original(root, r.path, r.original_copy, r.original_commit,
+                                                           r.original_sha256)))
+            writes.extend(_drop_copy(r.original_copy))
             restored.append(r.path)
     writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", None))
     if (root / GIT_IGNORE).exists():

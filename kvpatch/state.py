@@ -2,15 +2,19 @@
 
 ``.kvpatch/state.json`` holds the kvpatch, ruleset and runtime versions, the
 upstream commit, and for every rewritten file its original and patched hashes
-and the original and rewritten text of every site; ``.kvpatch/originals/``
-holds byte-exact copies of the original files. ``status``, ``revert``,
-``verify`` and the upgrade audit work from these, with or without git.
+and the original and rewritten text of every site. Each original is found in
+git (``original_commit``: the commit apply started from, read with checkout
+filters) where git gives back exactly its bytes, and is otherwise kept as a
+byte-exact copy under ``.kvpatch/originals/`` (no git, untracked or dirty
+files). ``status``, ``revert``, ``verify`` and the upgrade audit work from
+these, with or without git.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -19,6 +23,7 @@ from kvpatch.safepath import UnsafePath, inside, is_link, read_regular, under, w
 
 from kvpatch.names import JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE  # noqa: F401 - re-exported
 SCHEMA = "kvpatch.state/1"
+_COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 
 
 def sha256(data: bytes) -> str:
@@ -40,16 +45,19 @@ class FileRecord:
     path: str
     original_sha256: str
     patched_sha256: str
-    original_copy: str
+    original_copy: Optional[str]  # None: the original is in git at original_commit
     sites: List[SiteRecord] = field(default_factory=list)
+    original_commit: Optional[str] = None
 
 
 @dataclass
 class RuntimeRecord:
     path: str
     sha256: str
-    created: bool  # False: it replaced an older runtime, kept in originals
+    created: bool  # False: it replaced an older runtime, kept as originals are
     original_copy: Optional[str] = None
+    original_commit: Optional[str] = None
+    original_sha256: Optional[str] = None
 
 
 @dataclass
@@ -103,15 +111,24 @@ def load(root: Path) -> Optional[State]:
 
 def validate(root: Path, st: State) -> None:
     """Every path the state names: a checkout file outside .kvpatch/, or a copy under
-    .kvpatch/originals/, reached through no symbolic link."""
+    .kvpatch/originals/, reached through no symbolic link; every commit a full hex id."""
     originals = f"{STATE_DIR}/{ORIGINALS}"
-    for what, rel, copy in ([("patched file", f.path, f.original_copy) for f in st.files]
-                            + [("runtime file", r.path, r.original_copy) for r in st.runtime_files]):
+    for what, rel, copy, commit in ([("patched file", f.path, f.original_copy, f.original_commit)
+                                     for f in st.files]
+                                    + [("runtime file", r.path, r.original_copy, r.original_commit)
+                                       for r in st.runtime_files]):
         inside(root, rel, what)
         if rel == STATE_DIR or rel.startswith(STATE_DIR + "/"):
             raise UnsafePath(f"{what}: {rel!r} is inside {STATE_DIR}/")
-        if copy is not None or what == "patched file":
+        check_commit(commit, rel)
+        if copy is not None or (what == "patched file" and commit is None):
             inside(root, under(copy, originals, f"original copy of {rel}"), f"original copy of {rel}")
+
+
+def check_commit(commit, rel: str) -> None:
+    """An original's commit: None or a full hex commit id (never an option or a revision expression)."""
+    if commit is not None and not (isinstance(commit, str) and _COMMIT.fullmatch(commit)):
+        raise UnsafePath(f"original commit of {rel}: {commit!r} is not a commit id")
 
 
 def write_json_atomic(path: Path, text: str) -> None:

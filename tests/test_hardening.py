@@ -84,8 +84,12 @@ def n_writes(root: Path) -> int:
     """How many replacements a first apply of root makes (counted from the patch it would write)."""
     from kvpatch import patch as P
 
+    from kvpatch import checkout
+
     built = P.build(root)
-    return 2 * len(built.rewrites) + len(built.runtimes) + 1  # originals + rewrites + runtimes + state.json
+    # Original copies only where git does not have the originals (a clean git tree has them all).
+    copies = 0 if checkout.git_info(root) is not None else len(built.rewrites)
+    return copies + len(built.rewrites) + len(built.runtimes) + 1  # + rewrites + runtimes + state.json
 
 
 # -- status, end to end -------------------------------------------------------------

@@ -392,3 +392,32 @@ def test_speculative_fakes_read_the_request_rows():
         KVLocPlan(), req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([3]),
         indptr=torch.tensor([0, 3], dtype=torch.int32), out=out) is False
     assert out.tolist() == [110, 111, 112]
+
+
+def test_originals_from_git_after_a_real_apply(tmp_path):
+    """A git apply keeps no copies: verify reads the original from the recorded base, hash-checked."""
+    from click.testing import CliRunner
+
+    from kvpatch.cli import main
+
+    root = tmp_path / "checkout"
+    shutil.copytree(EXAMPLE, root)
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "base"], check=True)
+    base = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    r = CliRunner().invoke(main, ["apply", "--no-commit", str(root)])
+    assert r.exit_code == 0, r.output
+    assert not (root / ".kvpatch" / "originals").exists()
+    r = verify(root, modes=("gather",), graph=False)
+    assert r.ok, r.format()
+    # git answers other bytes for the base blob now: refused, not verified against them
+    blob = subprocess.run(git + ["rev-parse", f"{base}:{BACKEND}"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    (root / "other.txt").write_text("x = 1\n")
+    other = subprocess.run(git + ["hash-object", "-w", "other.txt"], check=True, capture_output=True,
+                           text=True).stdout.strip()
+    subprocess.run(git + ["replace", blob, other], check=True)
+    r = verify(root, modes=("gather",), graph=False)
+    assert not r.ok and "not the recorded original" in " ".join(r.errors), r.format()

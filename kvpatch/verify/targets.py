@@ -11,11 +11,13 @@ from typing import Dict, List, Optional, Tuple
 
 from kvpatch import git
 from kvpatch.safepath import UnsafePath, inside, is_link, read_regular
-from kvpatch.names import ORIGINALS as _ORIGINALS_DIR, RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
+from kvpatch.names import RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
 from kvpatch.names import STATE_DIR, STATE_FILE
+from kvpatch.originals import OriginalError, copy_path
+from kvpatch.originals import read as read_original
+from kvpatch.state import check_commit
 
 STATE = f"{STATE_DIR}/{STATE_FILE}"
-ORIGINALS = f"{STATE_DIR}/{_ORIGINALS_DIR}"
 
 # The classes the harness knows how to drive; a patched file without them is
 # reported as skipped (verify covers the FlashInfer MLA backend only).
@@ -96,7 +98,7 @@ def _git_original(root: Path, rel: str) -> Tuple[Optional[str], str]:
     if base is None:
         return None, f"no {STATE} and not a git checkout"
     prefix = (_git(root, "rev-parse", "--show-prefix") or "").strip()
-    text = _git(root, "show", f"{base}:{prefix}{rel}")
+    text = _git(root, "cat-file", "--filters", f"{base}:{prefix}{rel}")  # the bytes a checkout writes
     if text is None:
         return None, f"git has no {base}:{prefix}{rel}"
     return text, f"git {base}:{prefix}{rel}"
@@ -138,6 +140,7 @@ def state_entries(root: Path) -> List[Dict]:
         inside(root, e.get("path"), "patched file")
         if e.get("original_copy") is not None:
             inside(root, e["original_copy"], f"original copy of {e.get('path')}")
+        check_commit(e.get("original_commit"), str(e.get("path")))
     return entries
 
 
@@ -173,13 +176,15 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
             t.problem = f"patched file {rel} is missing"
             continue
         if from_state:
-            orig = root / (e.get("original_copy") or f"{ORIGINALS}/{rel}")
-            if orig.is_file():
-                t.original = read_regular(orig).decode("utf-8")
-                t.original_from = orig.relative_to(root).as_posix()
-            else:
-                t.problem = f"original copy {orig.relative_to(root).as_posix()} is missing"
+            copy, commit = e.get("original_copy"), e.get("original_commit")
+            if copy is None and commit is None:
+                copy = copy_path(rel)  # a state from before originals were read from git
+            try:
+                t.original = read_original(root, rel, copy, commit, e.get("original_sha256")).decode("utf-8")
+            except OriginalError as exc:
+                t.problem = str(exc)
                 continue
+            t.original_from = copy if copy is not None else f"git {commit[:12]}:{rel}"
         else:
             t.original, t.original_from = _git_original(root, rel)
             if t.original is None:
