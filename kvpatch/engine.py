@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import libcst as cst
 
-from kvpatch import discover
+from kvpatch import discover, suppress
 from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
 from kvpatch.classify import prove_noop
 from kvpatch.locate import locate, mla_plan_shape
@@ -133,6 +133,7 @@ def _analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysi
             continue
         ctx = UnitContext(pu, file_ctx)
         _analyze_unit(fa, ctx, rules, cast_rules, fallback, plan_rules)
+    suppress.apply(fa, tree)  # before pairing: a suppressed cast rewrites nothing, nor do its plans
     _pair_rules(fa)
     _select(fa, rules)
     fa.sites.sort(key=lambda s: (s.line, s.column))

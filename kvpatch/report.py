@@ -9,7 +9,7 @@ from typing import Dict, List
 
 from kvpatch import RULESET_VERSION, __version__
 from kvpatch.sites import (FIXED_UPSTREAM, GATHERED, HOT, NEEDS_ACTION, NOOP, PATCHED, PLAN_IGNORED, PLAN_REWRITE,
-                           PLAN_STATUSES, SITE_STATUSES, UNSUPPORTED, ScanResult, Site)
+                           PLAN_STATUSES, SITE_STATUSES, SUPPRESSED, UNSUPPORTED, ScanResult, Site)
 
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 
@@ -129,6 +129,7 @@ def to_sarif(scan: ScanResult, rules) -> str:
             "partialFingerprints": {"kvpatchSite/v1": s.key},
             "properties": {"status": s.status, "qualname": s.qualname, "path": s.path, "backend": s.backend,
                            "kernel": s.kernel, "fixable": s.fixable},
+            **_suppressions(s),
         })
     for p in scan.plans:
         results.append({
@@ -142,6 +143,7 @@ def to_sarif(scan: ScanResult, rules) -> str:
                 "region": {"startLine": p.line},
             }}],
             "properties": {"status": p.status, "qualname": p.qualname},
+            **_suppressions(p),
         })
     notifications = [{
         "level": "error",
@@ -153,6 +155,15 @@ def to_sarif(scan: ScanResult, rules) -> str:
                     "fullDescription": {"text": (r.__class__.__doc__ or r.SUMMARY).strip()},
                     "defaultConfiguration": {"level": "error" if r.KIND == "cast" else "note"}} for r in rules]
     return sarif_document(sarif_rules, results, notifications, scan.root)
+
+
+def _suppressions(rec) -> Dict:
+    """SARIF's in-source suppression of a `# kvpatch: ignore` record (none otherwise)."""
+    if rec.suppressed_line is None:
+        return {}
+    return {"suppressions": [{"kind": "inSource", "justification": rec.reason, "location": {"physicalLocation": {
+        "artifactLocation": {"uri": rec.file, "uriBaseId": "SRCROOT"},
+        "region": {"startLine": rec.suppressed_line}}}}]}
 
 
 def sarif_document(rules: List[Dict], results: List[Dict], notifications: List[Dict], root, properties=None) -> str:
@@ -178,7 +189,8 @@ def render_table(scan: ScanResult, style, verbose: int = 0) -> str:
     """Human output: sites grouped by file, then plan calls, then errors."""
     out: List[str] = []
     colors = {HOT: "red", UNSUPPORTED: "yellow", PATCHED: "green", NOOP: "blue",
-              GATHERED: "blue", FIXED_UPSTREAM: "green", PLAN_REWRITE: "yellow", PLAN_IGNORED: "blue"}
+              GATHERED: "blue", FIXED_UPSTREAM: "green", PLAN_REWRITE: "yellow", PLAN_IGNORED: "blue",
+              SUPPRESSED: "magenta"}
     by_file: Dict[str, List] = {}
     for s in scan.sites:
         by_file.setdefault(s.file, []).append(s)

@@ -20,7 +20,8 @@ PATCHED = "patched"  # kvpatch's rewrite is present
 UNSUPPORTED = "unsupported"  # a pool-wide cast no rule can rewrite safely here
 GATHERED = "gathered"  # casts only gathered rows: never pool-wide
 FIXED_UPSTREAM = "fixed-upstream"  # the MLA kernel reads the pool without a full cast
-SITE_STATUSES = (HOT, NOOP, PATCHED, UNSUPPORTED, GATHERED, FIXED_UPSTREAM)
+SUPPRESSED = "suppressed"  # a `# kvpatch: ignore` comment covers it (kvpatch/suppress.py)
+SITE_STATUSES = (HOT, NOOP, PATCHED, UNSUPPORTED, GATHERED, FIXED_UPSTREAM, SUPPRESSED)
 NEEDS_ACTION = (HOT, UNSUPPORTED)
 
 # Plan-call statuses.
@@ -28,7 +29,7 @@ PLAN_REWRITE = "rewrite"  # apply retargets its kv dtype
 PLAN_PATCHED = "patched"
 PLAN_IGNORED = "ignored"  # fast_mla_decode_plan: the dtypes are not used
 PLAN_UNSUPPORTED = "unsupported"
-PLAN_STATUSES = (PLAN_REWRITE, PLAN_PATCHED, PLAN_IGNORED, PLAN_UNSUPPORTED)
+PLAN_STATUSES = (PLAN_REWRITE, PLAN_PATCHED, PLAN_IGNORED, PLAN_UNSUPPORTED, SUPPRESSED)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Site:
     fixable: bool = False  # apply would rewrite it
     statement: str = ""  # the source of the statement holding the site
     notes: List[str] = field(default_factory=list)
+    suppressed_line: Optional[int] = None  # the line of the `# kvpatch: ignore` comment
 
     @property
     def key(self) -> str:
@@ -76,6 +78,7 @@ class PlanCall:
     rule: Optional[str]
     fixable: bool = False
     statement: str = ""
+    suppressed_line: Optional[int] = None  # the line of the `# kvpatch: ignore` comment
 
     @property
     def key(self) -> str:
