@@ -195,11 +195,18 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
     from kvpatch import report
     from kvpatch.engine import scan_tree
 
-    scan = scan_tree(root, select, jobs, out.progress())
+    if as_sarif and root.is_dir():  # SARIF carries apply's rewrite as each rewritable site's fix
+        from kvpatch.patch import build
+        from kvpatch.sarif_fixes import fixes_by_site
+
+        built = build(root, select, jobs, out.progress())
+        scan, fixes = built.scan, fixes_by_site(built)
+    else:
+        scan, fixes = scan_tree(root, select, jobs, out.progress()), {}
     if as_json:
         text = report.to_json(scan)
     elif as_sarif:
-        text = report.to_sarif(scan, rule_objs)
+        text = report.to_sarif(scan, rule_objs, fixes)
     else:
         plain = lambda t, **k: t  # noqa: E731 - no colour in files
         text = report.render_table(scan, plain if output else out.style, out.verbose)

@@ -111,15 +111,26 @@ def to_json(scan: ScanResult) -> str:
 _LEVEL = {HOT: "error", UNSUPPORTED: "warning"}
 
 
-def to_sarif(scan: ScanResult, rules) -> str:
+def _rule_ref(rid, rule_ids: List[str]) -> Dict:
+    """ruleId, and ruleIndex only where the rule is in the run's rules array."""
+    return {"ruleId": rid, **({"ruleIndex": rule_ids.index(rid)} if rid in rule_ids else {})}
+
+
+def to_sarif(scan: ScanResult, rules, fixes=None) -> str:
+    """`fixes`: (file, line) -> SARIF fix (kvpatch.sarif_fixes), for rewritable records."""
     rule_ids = [r.ID for r in rules]
     fallback = next((r.ID for r in rules if r.FALLBACK), rule_ids[0] if rule_ids else "")
+    plan_fallback = next((r.ID for r in rules if r.KIND == "plan"), fallback)
+    fixes = fixes or {}
+
+    def fix(rec) -> Dict:
+        got = fixes.get((rec.file, rec.line)) if rec.fixable else None
+        return {"fixes": [got]} if got else {}
+
     results = []
     for s in scan.sites:
-        rid = s.rule or fallback
         results.append({
-            "ruleId": rid,
-            "ruleIndex": rule_ids.index(rid) if rid in rule_ids else 0,
+            **_rule_ref(s.rule or fallback, rule_ids),
             "level": _LEVEL.get(s.status, "note"),
             "message": {"text": f"[{s.status}] {s.qualname} ({s.path}): {s.reason}"},
             "locations": [{"physicalLocation": {
@@ -129,12 +140,11 @@ def to_sarif(scan: ScanResult, rules) -> str:
             "partialFingerprints": {"kvpatchSite/v1": s.key},
             "properties": {"status": s.status, "qualname": s.qualname, "path": s.path, "backend": s.backend,
                            "kernel": s.kernel, "fixable": s.fixable},
-            **_suppressions(s),
+            **_suppressions(s), **fix(s),
         })
     for p in scan.plans:
         results.append({
-            "ruleId": p.rule or "KVP102",
-            "ruleIndex": rule_ids.index(p.rule) if p.rule in rule_ids else 0,
+            **_rule_ref(p.rule or plan_fallback, rule_ids),
             "level": "note",
             "message": {"text": f"[plan {p.status}] {p.qualname}: q dtype {p.q_dtype}, kv dtype {p.kv_dtype}, "
                                 f"page size {p.page_size}: {p.reason}"},
@@ -143,7 +153,7 @@ def to_sarif(scan: ScanResult, rules) -> str:
                 "region": {"startLine": p.line},
             }}],
             "properties": {"status": p.status, "qualname": p.qualname},
-            **_suppressions(p),
+            **_suppressions(p), **fix(p),
         })
     notifications = [{
         "level": "error",
