@@ -537,5 +537,8 @@ if __name__ == "__main__":  # pragma: no cover
     main()
 
 
+from kvpatch.cli_test import test_cmd  # noqa: E402 - registered after main exists
+
+main.add_command(test_cmd)
 for _cmd in main.commands.values():
     _exit_help(_cmd)

@@ -37,8 +37,9 @@ WHAT = {
     "verify": {EXIT_OK: "passed on the GPU (or `--cpu` passed)", EXIT_ACTION: "a case failed",
                EXIT_ERROR: "error", EXIT_NO_GPU: "no GPU: only the CPU check ran"},
     "rules": {EXIT_OK: "listed", EXIT_ERROR: "error"},
+    "test": {EXIT_OK: "every example holds", EXIT_ACTION: "an example failed", EXIT_ERROR: "error"},
 }
-for _read_only in ("audit", "status", "verify", "rules"):
+for _read_only in ("audit", "status", "verify", "rules", "test"):
     WHAT[_read_only][EXIT_USER_INTERRUPT] = "interrupted (nothing is written)"
 
 

@@ -14,7 +14,7 @@ from kvpatch import __version__
 from kvpatch.cli import main
 from kvpatch.report import JSON_SCHEMA
 
-COMMANDS = ["audit", "apply", "revert", "recover", "status", "rules", "verify"]
+COMMANDS = ["audit", "apply", "revert", "recover", "status", "rules", "verify", "test"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
