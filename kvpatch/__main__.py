@@ -1,3 +1,3 @@
 from kvpatch.cli import main
 
-main()
+main(prog_name="kvpatch")
