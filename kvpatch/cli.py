@@ -481,7 +481,7 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     .kvpatch/originals or git), runs forward_decode and the paged
     forward_extend of both on the same random FP8 pool, eager and under a
     CUDA graph, and compares: bit-identical for the gathered cast, within
-    tolerance for native FP8. Needs torch (pip install 'kvpatch[verify]').
+    tolerance for native FP8. Needs torch (pip install torch; see the README's Installing).
 
     \b
     Example:  kvpatch verify ~/sglang --mode gather
@@ -504,7 +504,7 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     try:
         import torch  # noqa: F401
     except ImportError:
-        out.error("verify needs torch: pip install 'kvpatch[verify]'")
+        out.error("verify needs torch: pip install torch (a CPU build does for --cpu; see the README's Installing)")
         sys.exit(EXIT_ERROR)
     from kvpatch.verify import run_verify
 
