@@ -21,6 +21,7 @@ from kvpatch import __version__
 from kvpatch.exitcodes import (EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK, EXIT_PARTIAL,
                                EXIT_USER_INTERRUPT, WHAT)
 
+CLEAR_LINE = "\r\x1b[K"  # carriage return, erase to the end of the line
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -61,7 +62,8 @@ class Out:
             now = time.monotonic()
             if now - last[0] > 0.1 or done == total:
                 last[0] = now
-                sys.stderr.write(f"\rscanning {done}/{total} files" + ("\n" if done == total else ""))
+                # The last call clears the line: the progress does not stay on screen.
+                sys.stderr.write(CLEAR_LINE if done == total else f"\rscanning {done}/{total} files")
                 sys.stderr.flush()
 
         return cb
@@ -280,7 +282,7 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, no_verify, jobs, rule
     except KeyboardInterrupt:
         out.error("interrupted: every file was rolled back")
         sys.exit(EXIT_USER_INTERRUPT)
-    if res.notice:
+    if res.notice and res.written:  # with nothing written, the line below says it (once)
         out.info(res.notice)
     if not res.written:
         out.echo("nothing to do: every fixable site is already patched")
@@ -461,6 +463,8 @@ def rules_cmd(out: Out, as_json):
         out.echo(f"        {r.SUMMARY}")
         out.echo(f"        examples: {len(r.VALID)} valid, {len(r.INVALID)} invalid; "
                  f"checked on {len(r.CHECKED_ON)} SGLang commits")
+    n_fix = sum(1 for r in rs if r.fixes)
+    out.info(f"kvpatch rules: {len(rs)} rule(s), {n_fix} rewrite, {len(rs) - n_fix} report only")
     sys.exit(EXIT_OK)
 
 

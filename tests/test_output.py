@@ -1,0 +1,46 @@
+"""Output a person reads: each command's summary line, "nothing to do" once,
+a progress line that does not stay on screen."""
+
+from __future__ import annotations
+
+import io
+
+from click.testing import CliRunner
+
+from kvpatch.cli import CLEAR_LINE, Out, main
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(map(str, args)), env={})
+
+
+def test_second_apply_says_nothing_to_do_once(example_git):
+    assert run("apply", example_git).exit_code == 0
+    r = run("apply", example_git)
+    assert r.exit_code == 0, r.output
+    assert r.output.count("nothing to do") == 1, r.output
+    assert r.output.splitlines()[-1].startswith("kvpatch apply:")
+
+
+def test_rules_ends_with_its_summary_line():
+    r = run("rules")
+    assert r.exit_code == 0
+    from kvpatch.rule import load_rules
+
+    assert r.output.splitlines()[-1].startswith(f"kvpatch rules: {len(load_rules())} rule(s), ")
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_scan_progress_is_cleared_at_the_end(monkeypatch):
+    err = _Tty()
+    monkeypatch.setattr("sys.stderr", err)
+    cb = Out("never", False, 0).progress()
+    cb(1, 10)
+    cb(10, 10)
+    text = err.getvalue()
+    assert "scanning 1/10 files" in text and "\n" not in text
+    assert text.endswith(CLEAR_LINE)
