@@ -226,13 +226,14 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 @main.command(context_settings=CONTEXT)
 @click.argument("path", type=click.Path())
 @click.option("-n", "--dry-run", is_flag=True, help="Print the exact diff and counts; write nothing.")
+@click.option("--runtime-diff", is_flag=True, help="With --dry-run: also the runtime module's diff (one line by default).")
 @click.option("--allow-dirty", is_flag=True, help="Patch a git tree that has uncommitted changes.")
 @click.option("--no-commit", is_flag=True, help="Write the files only: no kvpatch/<...> branch, no commit.")
 @click.option("--no-verify", is_flag=True, help="Commit without running git's pre-commit and commit-msg hooks.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
 @_rules_opt
 @click.pass_obj
-def apply(out: Out, path, dry_run, allow_dirty, no_commit, no_verify, jobs, rules):
+def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_verify, jobs, rules):
     """Rewrite every fixable site under PATH (all files or none).
 
     In a git checkout: refuses a dirty tree, then makes a branch
@@ -259,11 +260,15 @@ def apply(out: Out, path, dry_run, allow_dirty, no_commit, no_verify, jobs, rule
         out.error(f"{exc}")
         sys.exit(EXIT_ERROR)
     errors = built.scan.all_errors + built.refused
-    if dry_run:
-        diff = built.diff(color=out.color_out)
+    if dry_run:  # the counts first, then the diff; a runtime file is one line unless --runtime-diff
+        _apply_counts(out, built, written=False)
+        diff = built.diff(color=out.color_out, runtimes=runtime_diff)
         if diff:
             out.echo(diff.rstrip("\n"))
-        _apply_counts(out, built, written=False)
+        if not runtime_diff:
+            for rt in built.runtimes:
+                what, n_lines = ("added" if rt.old is None else "updated"), len(rt.data.splitlines())
+                out.echo(f"{what} {rt.rel} (the runtime module, {n_lines} lines; --runtime-diff shows its diff)")
         for e in errors:
             out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
         built.scan.seconds = time.perf_counter() - t0

@@ -64,11 +64,12 @@ class Patch:
     def empty(self) -> bool:
         return not self.rewrites and not self.runtimes
 
-    def diff(self, color: bool = False) -> str:
+    def diff(self, color: bool = False, runtimes: bool = True) -> str:
+        """The unified diff; `runtimes=False` leaves the runtime files out."""
         chunks = []
         for r in self.rewrites:
             chunks.append(_udiff(r.rel, r.old_text, r.new_text))
-        for rt in self.runtimes:
+        for rt in self.runtimes if runtimes else ():
             old = rt.old.decode("utf-8") if rt.old is not None else None
             chunks.append(_udiff(rt.rel, old, rt.data.decode("utf-8")))
         text = "".join(chunks)

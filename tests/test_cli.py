@@ -144,9 +144,14 @@ def test_dry_run_writes_nothing(example):
     r = run("apply", "--dry-run", example)
     assert r.exit_code == 0, r.output
     assert "+            k_buf = _kvpatch_rt.kv_for_kernel(" in r.output
-    assert "--- /dev/null" in r.output and "_kvpatch_runtime.py" in r.output
-    assert "sites would be rewritten: 3" in r.output and "plan calls retargeted: 3" in r.output
-    assert "sites skipped: 1" in r.output
+    # The counts first, then the diff; the runtime module is one line unless --runtime-diff.
+    assert r.output.index("sites would be rewritten: 3") < r.output.index("+            k_buf = _kvpatch_rt")
+    assert "plan calls retargeted: 3" in r.output and "sites skipped: 1" in r.output
+    assert "--- /dev/null" not in r.output
+    assert re.search(r"^added \S*_kvpatch_runtime\.py \(the runtime module, \d+ lines", r.output, re.M)
+    full = run("apply", "--dry-run", "--runtime-diff", example)
+    assert "--- /dev/null" in full.output and "+++ b/python/sglang/srt/layers/attention/_kvpatch_runtime.py" \
+        in full.output and len(full.output) > len(r.output) + 10000
     assert tree_hashes(example) == before
 
 
