@@ -8,101 +8,16 @@ GPU check not run (verify), 4 interrupted apply (status).
 
 from __future__ import annotations
 
-import os
 import traceback
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import click
 
 from kvpatch import __version__
-from kvpatch.exitcodes import (EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK, EXIT_PARTIAL,
-                               EXIT_USER_INTERRUPT, WHAT)
-
-CLEAR_LINE = "\r\x1b[K"  # carriage return, erase to the end of the line
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-class Out:
-    """Where output goes, and whether it is coloured."""
-
-    def __init__(self, color: str, quiet: bool, verbose: int) -> None:
-        self.quiet, self.verbose = quiet, verbose
-        if color == "always":
-            self.color_out = self.color_err = True
-        elif color == "never" or os.environ.get("NO_COLOR"):
-            self.color_out = self.color_err = False
-        else:
-            self.color_out = sys.stdout.isatty()
-            self.color_err = sys.stderr.isatty()
-
-    def style(self, text: str, **kw) -> str:
-        return click.style(text, **kw) if self.color_out else text
-
-    def echo(self, text: str = "", nl: bool = True) -> None:
-        click.echo(text, nl=nl, color=self.color_out)
-
-    def info(self, text: str) -> None:
-        """Progress and notices: stderr, silenced by -q."""
-        if not self.quiet:
-            click.echo(text, err=True, color=self.color_err)
-
-    def error(self, text: str) -> None:
-        click.echo(click.style("error: ", fg="red", bold=True) + text if self.color_err else "error: " + text,
-                   err=True, color=self.color_err)
-
-    def progress(self):
-        if self.quiet or not sys.stderr.isatty():
-            return None
-        last = [0.0]
-
-        def cb(done: int, total: int) -> None:
-            now = time.monotonic()
-            if now - last[0] > 0.1 or done == total:
-                last[0] = now
-                # The last call clears the line: the progress does not stay on screen.
-                sys.stderr.write(CLEAR_LINE if done == total else f"\rscanning {done}/{total} files")
-                sys.stderr.flush()
-
-        return cb
-
-
-def _root(path: str, out: Out) -> Path:
-    from kvpatch.discover import looks_like_sglang
-
-    p = Path(path)
-    if not p.exists():
-        out.error(f"{path}: no such file or directory")
-        sys.exit(EXIT_ERROR)
-    if p.is_file() and p.suffix != ".py":
-        out.error(f"{path}: not a directory or a .py file")
-        sys.exit(EXIT_ERROR)
-    why = looks_like_sglang(p)
-    if why:
-        out.error(f"{path}: {why}")
-        sys.exit(EXIT_ERROR)
-    return p
-
-
-def _rules_opt(f):
-    return click.option("--rules", "rules", metavar="IDS", default=None,
-                        help="Comma-separated rule IDs or names to run (default: all; see `kvpatch rules`).")(f)
-
-
-def _split(rules: Optional[str]):
-    return [r for r in rules.split(",") if r.strip()] if rules else None
-
-
-def _check_rules(rules, out: Out):
-    from kvpatch.rule import load_rules
-
-    try:
-        return load_rules(rules)
-    except KeyError as exc:
-        out.error(exc.args[0])
-        sys.exit(EXIT_ERROR)
+from kvpatch.cli_out import CLEAR_LINE, CONTEXT, Out, _check_rules, _root, _rules_opt, _split  # noqa: F401
+from kvpatch.exitcodes import EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
 
 
 class _Main(click.Group):
@@ -441,113 +356,14 @@ def status(out: Out, path, as_json):
     sys.exit(st.exit_code)
 
 
-# -- rules -------------------------------------------------------------------
-@main.command(name="rules", context_settings=CONTEXT)
-@click.option("--json", "as_json", is_flag=True, help="JSON output.")
-@click.pass_obj
-def rules_cmd(out: Out, as_json):
-    """List the rules, what each finds or rewrites, and where it was checked.
-
-    \b
-    Example:  kvpatch rules
-    """
-    import json
-
-    from kvpatch.rule import load_rules
-
-    rs = load_rules()
-    if as_json:
-        out.echo(json.dumps([{"id": r.ID, "name": r.NAME, "kind": r.KIND, "summary": r.SUMMARY,
-                              "fixes": r.fixes, "checked_on": list(r.CHECKED_ON),
-                              "examples": {"valid": len(r.VALID), "invalid": len(r.INVALID)}} for r in rs],
-                            indent=2))
-        sys.exit(EXIT_OK)
-    for r in rs:
-        kind = "rewrites" if r.fixes else "reports"
-        out.echo(f"{out.style(r.ID, bold=True)}  {r.NAME}  ({r.KIND}, {kind})")
-        out.echo(f"        {r.SUMMARY}")
-        out.echo(f"        examples: {len(r.VALID)} valid, {len(r.INVALID)} invalid; "
-                 f"checked on {len(r.CHECKED_ON)} SGLang commits")
-    n_fix = sum(1 for r in rs if r.fixes)
-    out.info(f"kvpatch rules: {len(rs)} rule(s), {n_fix} rewrite, {len(rs) - n_fix} report only")
-    sys.exit(EXIT_OK)
-
-
-# -- verify ------------------------------------------------------------------
-@main.command(context_settings=CONTEXT)
-@click.argument("path", type=click.Path())
-@click.option("--mode", type=click.Choice(["both", "gather", "native"]), default="both", show_default=True,
-              help="Which runtime modes to check.")
-@click.option("--cpu", is_flag=True, help="Run the CPU reference check only (no GPU needed); exit 0 if it passes.")
-@click.option("--no-graph", is_flag=True, help="Skip the CUDA-graph decode cases.")
-@click.option("--quick", is_flag=True, help="Fewer, smaller cases.")
-@click.option("--json", "as_json", is_flag=True, help="JSON report.")
-@click.pass_obj
-def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
-    """Check that the patched checkout computes the same attention.
-
-    Loads PATH's own patched FlashInfer MLA backend and its original (from
-    .kvpatch/originals or git), runs forward_decode and the paged
-    forward_extend of both on the same random FP8 pool, eager and under a
-    CUDA graph, and compares: bit-identical for the gathered cast, within
-    tolerance for native FP8. Needs torch (pip install torch; see the README's Installing).
-
-    \b
-    Example:  kvpatch verify ~/sglang --mode gather
-    """
-    import json
-
-    root = _root(path, out).resolve()
-    t0 = time.perf_counter()
-    from kvpatch.safepath import UnsafePath
-    from kvpatch.verify.targets import has_state, state_entries
-
-    try:  # an unsafe state is refused first, with torch or without
-        if has_state(root):
-            state_entries(root)
-    except UnsafePath as exc:
-        out.error(f"unsafe kvpatch state, nothing was read: {exc}")
-        sys.exit(EXIT_ERROR)
-    except (OSError, ValueError, AttributeError):
-        pass  # unreadable: verify reports it as the target's problem
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        out.error("verify needs torch: pip install torch (a CPU build does for --cpu; see the README's Installing)")
-        sys.exit(EXIT_ERROR)
-    from kvpatch.verify import run_verify
-
-    modes = ("gather", "native") if mode == "both" else (mode,)
-    try:
-        rep = run_verify(root, modes=modes, device="cpu" if cpu else "auto", graph=not no_graph, quick=quick,
-                         log=None if out.quiet else out.info)
-    except Exception as exc:  # noqa: BLE001
-        out.error(f"verify could not run: {exc}")
-        sys.exit(EXIT_ERROR)
-    if as_json:
-        out.echo(json.dumps(rep.to_dict(), indent=2))
-    else:
-        out.echo(rep.render())
-    if not rep.cases:  # nothing could be checked: bad input, not a mismatch
-        out.error(rep.reason or "nothing to verify")
-        sys.exit(EXIT_ERROR)
-    if not rep.ok:
-        sys.exit(EXIT_ACTION)
-    n = {k: sum(1 for c in rep.cases if c.status == k) for k in ("passed", "failed", "skipped")}
-    out.info(f"kvpatch verify: {n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped "
-             f"(device {rep.device or '-'}, kernel {rep.kernel or '-'}); {time.perf_counter() - t0:.2f}s")
-    if not cpu and not rep.gpu_ran:
-        out.info(f"no GPU check: {rep.reason}")
-        sys.exit(EXIT_NO_GPU)
-    sys.exit(EXIT_OK)
-
-
 if __name__ == "__main__":  # pragma: no cover
     main()
 
 
-from kvpatch.cli_test import test_cmd  # noqa: E402 - registered after main exists
+from kvpatch.cli_info import rules_cmd, verify  # noqa: E402 - registered after main exists
+from kvpatch.cli_test import test_cmd  # noqa: E402
 
-main.add_command(test_cmd)
+for _sub in (rules_cmd, verify, test_cmd):
+    main.add_command(_sub)
 for _cmd in main.commands.values():
     _exit_help(_cmd)

@@ -8,11 +8,12 @@ import sys
 
 import click
 
+from kvpatch.cli_out import CONTEXT
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 from kvpatch.rule import RULES_PATH_ENV
 
 
-@click.command(name="test", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command(name="test", context_settings=CONTEXT)
 @click.argument("rule_ids", nargs=-1, metavar="[RULE]...")
 @click.option("--rules-path", "rules_path", multiple=True, type=click.Path(exists=True, file_okay=False),
               help=f"Also load the rules in this folder (repeatable; as ${RULES_PATH_ENV}).")

@@ -39,8 +39,9 @@ def test_an_unexpected_error_exits_2_with_one_line(tmp_path, monkeypatch, verbos
     def boom(*a, **k):
         raise RuntimeError("synthetic failure")
 
-    monkeypatch.setattr(engine, "scan_tree", boom)
+    # kvpatch.status first: importing it while engine.scan_tree is boom would bind boom for good.
     monkeypatch.setattr("kvpatch.status.scan_tree", boom)
+    monkeypatch.setattr(engine, "scan_tree", boom)
     for cmd in (["audit"], ["status"]):
         r = run(*(["-v"] if verbose else []), *cmd, EXAMPLE)
         assert r.exit_code == EXIT_ERROR, (cmd, r.exit_code, r.output)

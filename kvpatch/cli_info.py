@@ -1,0 +1,112 @@
+"""`kvpatch rules` and `kvpatch verify`: the commands that read no checkout
+state to change it (registered on the group in kvpatch/cli.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from kvpatch.cli_out import CONTEXT, Out, _root
+from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK
+
+# -- rules -------------------------------------------------------------------
+@click.command(name="rules", context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.pass_obj
+def rules_cmd(out: Out, as_json):
+    """List the rules, what each finds or rewrites, and where it was checked.
+
+    \b
+    Example:  kvpatch rules
+    """
+    import json
+
+    from kvpatch.rule import load_rules
+
+    rs = load_rules()
+    if as_json:
+        out.echo(json.dumps([{"id": r.ID, "name": r.NAME, "kind": r.KIND, "summary": r.SUMMARY,
+                              "fixes": r.fixes, "checked_on": list(r.CHECKED_ON),
+                              "examples": {"valid": len(r.VALID), "invalid": len(r.INVALID)}} for r in rs],
+                            indent=2))
+        sys.exit(EXIT_OK)
+    for r in rs:
+        kind = "rewrites" if r.fixes else "reports"
+        out.echo(f"{out.style(r.ID, bold=True)}  {r.NAME}  ({r.KIND}, {kind})")
+        out.echo(f"        {r.SUMMARY}")
+        out.echo(f"        examples: {len(r.VALID)} valid, {len(r.INVALID)} invalid; "
+                 f"checked on {len(r.CHECKED_ON)} SGLang commits")
+    n_fix = sum(1 for r in rs if r.fixes)
+    out.info(f"kvpatch rules: {len(rs)} rule(s), {n_fix} rewrite, {len(rs) - n_fix} report only")
+    sys.exit(EXIT_OK)
+
+
+# -- verify ------------------------------------------------------------------
+@click.command(context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.option("--mode", type=click.Choice(["both", "gather", "native"]), default="both", show_default=True,
+              help="Which runtime modes to check.")
+@click.option("--cpu", is_flag=True, help="Run the CPU reference check only (no GPU needed); exit 0 if it passes.")
+@click.option("--no-graph", is_flag=True, help="Skip the CUDA-graph decode cases.")
+@click.option("--quick", is_flag=True, help="Fewer, smaller cases.")
+@click.option("--json", "as_json", is_flag=True, help="JSON report.")
+@click.pass_obj
+def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
+    """Check that the patched checkout computes the same attention.
+
+    Loads PATH's own patched FlashInfer MLA backend and its original (from
+    .kvpatch/originals or git), runs forward_decode and the paged
+    forward_extend of both on the same random FP8 pool, eager and under a
+    CUDA graph, and compares: bit-identical for the gathered cast, within
+    tolerance for native FP8. Needs torch (pip install torch; see the README's Installing).
+
+    \b
+    Example:  kvpatch verify ~/sglang --mode gather
+    """
+    import json
+
+    root = _root(path, out).resolve()
+    t0 = time.perf_counter()
+    from kvpatch.safepath import UnsafePath
+    from kvpatch.verify.targets import has_state, state_entries
+
+    try:  # an unsafe state is refused first, with torch or without
+        if has_state(root):
+            state_entries(root)
+    except UnsafePath as exc:
+        out.error(f"unsafe kvpatch state, nothing was read: {exc}")
+        sys.exit(EXIT_ERROR)
+    except (OSError, ValueError, AttributeError):
+        pass  # unreadable: verify reports it as the target's problem
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        out.error("verify needs torch: pip install torch (a CPU build does for --cpu; see the README's Installing)")
+        sys.exit(EXIT_ERROR)
+    from kvpatch.verify import run_verify
+
+    modes = ("gather", "native") if mode == "both" else (mode,)
+    try:
+        rep = run_verify(root, modes=modes, device="cpu" if cpu else "auto", graph=not no_graph, quick=quick,
+                         log=None if out.quiet else out.info)
+    except Exception as exc:  # noqa: BLE001
+        out.error(f"verify could not run: {exc}")
+        sys.exit(EXIT_ERROR)
+    if as_json:
+        out.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        out.echo(rep.render())
+    if not rep.cases:  # nothing could be checked: bad input, not a mismatch
+        out.error(rep.reason or "nothing to verify")
+        sys.exit(EXIT_ERROR)
+    if not rep.ok:
+        sys.exit(EXIT_ACTION)
+    n = {k: sum(1 for c in rep.cases if c.status == k) for k in ("passed", "failed", "skipped")}
+    out.info(f"kvpatch verify: {n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped "
+             f"(device {rep.device or '-'}, kernel {rep.kernel or '-'}); {time.perf_counter() - t0:.2f}s")
+    if not cpu and not rep.gpu_ran:
+        out.info(f"no GPU check: {rep.reason}")
+        sys.exit(EXIT_NO_GPU)
+    sys.exit(EXIT_OK)
