@@ -44,3 +44,11 @@ def test_scan_progress_is_cleared_at_the_end(monkeypatch):
     text = err.getvalue()
     assert "scanning 1/10 files" in text and "\n" not in text
     assert text.endswith(CLEAR_LINE)
+
+
+def test_json_kernel_holds_no_markdown(example):
+    import json
+
+    sites = json.loads(run("audit", "--json", example).stdout)["sites"]
+    kernels = [s["kernel"] for s in sites]
+    assert "decode_wrapper.run" in kernels and not any("`" in k for k in kernels), kernels
