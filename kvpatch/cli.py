@@ -8,6 +8,7 @@ GPU check not run (verify), 4 interrupted apply (status).
 
 from __future__ import annotations
 
+import shutil
 import traceback
 import sys
 import time
@@ -126,7 +127,8 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
         text = report.to_sarif(scan, rule_objs, fixes)
     else:
         plain = lambda t, **k: t  # noqa: E731 - no colour in files
-        text = report.render_table(scan, plain if output else out.style, out.verbose)
+        width = shutil.get_terminal_size().columns if not output and sys.stdout.isatty() else 0
+        text = report.render_table(scan, plain if output else out.style, out.verbose, width)
     if output:
         Path(output).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
     elif text:

@@ -4,6 +4,7 @@ and the exit codes CI can rely on."""
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import Counter
 from typing import Dict, List
 
@@ -196,9 +197,18 @@ def sarif_document(rules: List[Dict], results: List[Dict], notifications: List[D
     return json.dumps(doc, indent=2) + "\n"
 
 
-def render_table(scan: ScanResult, style, verbose: int = 0) -> str:
-    """Human output: sites grouped by file, then plan calls, then errors."""
+def render_table(scan: ScanResult, style, verbose: int = 0, width: int = 0) -> str:
+    """Human output: sites grouped by file, then plan calls, then errors.
+    `width` > 0 wraps reasons and notes to it, indented, never inside a word."""
     out: List[str] = []
+    pad = " " * 24
+
+    def text(t: str) -> str:
+        if width <= len(pad) + 20:
+            return pad + t
+        return textwrap.fill(t, width, initial_indent=pad, subsequent_indent=pad + "  ",
+                             break_long_words=False, break_on_hyphens=False)
+
     colors = {HOT: "red", UNSUPPORTED: "yellow", PATCHED: "green", NOOP: "blue",
               GATHERED: "blue", FIXED_UPSTREAM: "green", PLAN_REWRITE: "yellow", PLAN_IGNORED: "blue",
               SUPPRESSED: "magenta"}
@@ -214,15 +224,15 @@ def render_table(scan: ScanResult, style, verbose: int = 0) -> str:
             if isinstance(r, Site):
                 fix = " (apply rewrites it)" if r.fixable else ""
                 out.append(f"  {r.line:>5}  {st} {r.qualname} [{r.path}, {r.backend}] -> {r.kernel}{fix}")
-                out.append(f"         {'':14} {r.reason}")
+                out.append(text(r.reason))
                 for n in r.notes:
-                    out.append(f"         {'':14} note: {n}")
+                    out.append(text(f"note: {n}"))
                 if verbose:
                     out.append(f"         {'':14} {r.statement.splitlines()[0] if r.statement else ''}")
             else:
                 out.append(f"  {r.line:>5}  {st} {r.qualname}: plan q={r.q_dtype} kv={r.kv_dtype} "
                            f"page_size={r.page_size} causal={r.causal}")
-                out.append(f"         {'':14} {r.reason}")
+                out.append(text(r.reason))
     if scan.all_errors:
         out.append(style("errors", bold=True, fg="red"))
         for e in scan.all_errors:

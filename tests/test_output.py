@@ -52,3 +52,18 @@ def test_json_kernel_holds_no_markdown(example):
     sites = json.loads(run("audit", "--json", example).stdout)["sites"]
     kernels = [s["kernel"] for s in sites]
     assert "decode_wrapper.run" in kernels and not any("`" in k for k in kernels), kernels
+
+
+def test_long_reasons_wrap_to_the_width_with_an_indent(example):
+    from kvpatch import report
+    from kvpatch.engine import scan_tree
+
+    scan = scan_tree(example)
+    wide = report.render_table(scan, lambda t, **k: t)
+    narrow = report.render_table(scan, lambda t, **k: t, 0, 80)
+    assert max(map(len, wide.splitlines())) > 120  # the reasons, unwrapped
+    reason_lines = [ln for ln in narrow.splitlines() if ln.startswith(" " * 24)]
+    # Only a single word longer than the room left may pass the width.
+    assert reason_lines and all(len(ln) <= 80 or len(ln.split()) == 1 for ln in reason_lines)
+    # Same words in the same order: wrapped between words, never inside one.
+    assert " ".join(wide.split()) == " ".join(narrow.split())
