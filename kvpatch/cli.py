@@ -85,9 +85,10 @@ def main(ctx, color, quiet, verbose):
 @click.option("--against", metavar="REF", help="Upgrade audit: compare with git REF of the same checkout.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
 @click.option("-q", "--quiet", "quiet", is_flag=True, help="Only results and errors (as `kvpatch -q audit`).")
+@click.option("-v", "--verbose", "verbose", count=True, help="Each site's statement too (as `kvpatch -v audit`).")
 @_rules_opt
 @click.pass_obj
-def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, rules, quiet=False):
+def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, rules, quiet=False, verbose=0):
     """Report every KV-cache cast and FlashInfer MLA plan() call under PATH.
 
     Each site gets file:line, Class.method, prefill/decode path, backend, the
@@ -103,6 +104,7 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
         raise click.UsageError("--json and --sarif exclude each other")
     if quiet:
         out.quiet = True
+    out.verbose += verbose
     select = _split(rules)
     rule_objs = _check_rules(select, out)
     root = _root(path, out)

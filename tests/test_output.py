@@ -67,3 +67,11 @@ def test_long_reasons_wrap_to_the_width_with_an_indent(example):
     assert reason_lines and all(len(ln) <= 80 or len(ln.split()) == 1 for ln in reason_lines)
     # Same words in the same order: wrapped between words, never inside one.
     assert " ".join(wide.split()) == " ".join(narrow.split())
+
+
+def test_audit_takes_v_where_it_takes_q(example):
+    plain, verbose = run("audit", example), run("audit", "-v", example)
+    assert verbose.exit_code == plain.exit_code == 1
+    statement = "k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)"
+    assert statement in verbose.output and statement not in plain.output
+    assert run("-v", "audit", example).output.splitlines()[:-1] == verbose.output.splitlines()[:-1]  # but the time
