@@ -246,8 +246,8 @@ def test_catches_plan_dtype_mismatch(tmp_path):
     assert "(FlashInferMLAAttnBackend.forward_decode)" in c.message
     assert "planned with kv_data_type=torch.float8_e4m3fn at " + BACKEND in c.message
     assert "(FlashInferMLAIndicesUpdaterDecode.call_begin_forward)" in c.message
-    # The stand-alone front end exits non-zero and prints the site.
-    p = subprocess.run([sys.executable, "-m", "kvpatch.verify", str(root), "--device", "cpu",
+    # The command line (python -m kvpatch.verify is kvpatch verify) exits non-zero and prints the site.
+    p = subprocess.run([sys.executable, "-m", "kvpatch.verify", str(root), "--cpu",
                         "--quick", "--mode", "gather", "--no-graph"],
                        capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
