@@ -1,3 +1,27 @@
-from kvpatch.cli import main
+"""`python -m kvpatch` and the `kvpatch` script.
 
-main(prog_name="kvpatch")
+The CLI is imported inside run(), not at the top: importing it (libcst, click,
+GitPython) takes a large share of a short command's life, and a Ctrl-C or a
+process-group SIGINT landing there must end like any other interrupt (one line,
+exit 130), not as a KeyboardInterrupt traceback. Nothing is written before the
+CLI is loaded, so there is nothing to roll back.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvpatch.exitcodes import EXIT_USER_INTERRUPT
+
+
+def run(argv: list[str] | None = None) -> None:
+    try:
+        from kvpatch.cli import main
+    except KeyboardInterrupt:
+        sys.stderr.write("Error: interrupted (nothing was written)\n")
+        sys.exit(EXIT_USER_INTERRUPT)
+    main(argv, prog_name="kvpatch")
+
+
+if __name__ == "__main__":
+    run()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from kvpatch.cli import main
+from kvpatch.__main__ import run
 
 if __name__ == "__main__":
-    main(["verify", *sys.argv[1:]], prog_name="kvpatch")
+    run(["verify", *sys.argv[1:]])
