@@ -24,11 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(mirror: str, shas):
+    # Exported as plain trees, not git worktrees: in a git checkout apply keeps the
+    # originals in git (state.json names the commit), and the payload carries no .git,
+    # so verify on the device could not read them. A plain tree keeps them in .kvpatch/.
     for sha in shas:
-        wt = Path(f"/tmp/kvp-wt/{sha}")
+        wt = Path(f"/tmp/kvp-exp/{sha}")
         if not wt.exists():
-            subprocess.run(["git", "-C", mirror, "worktree", "add", "--detach", str(wt), sha], check=True,
-                           capture_output=True)
+            wt.mkdir(parents=True)
+            archive = subprocess.run(["git", "-C", mirror, "archive", "--format=tar", sha, "python/sglang/srt"],
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(wt)], input=archive, check=True)
         cut(wt, sha)
 
 

@@ -28,7 +28,7 @@ from .fakes import DECODE, EXTEND, TARGET_VERIFY, Mode
 from .judge import FullPoolGuard, _exc_text, compare
 from .report import FAILED, PASSED, SKIPPED, CaseResult
 from .side import ForwardBatch, Side, call_bound
-from .targets import FA3_CLASS, qualname_map
+from .targets import qualname_map
 from .verifier import FileVerifier
 from .world import FP8, HEAD_DIM, KV_LORA, Q_DTYPE, ROPE, SM_SCALE, HarnessError
 
@@ -108,8 +108,8 @@ class FA3Side:
     site_of = Side.site_of
     caller_site = Side.caller_site
 
-    def __init__(self, name, module, filename, source, pool, device, rel, cls_name=FA3_CLASS):
-        self.name, self.module, self.filename, self.rel = name, module, filename, rel
+    def __init__(self, name, module, filename, source, pool, device, rel, cls_name):
+        self.name, self.module, self.filename, self.rel, self.cls_name = name, module, filename, rel, cls_name
         self.qmap = qualname_map(source)
         cls = getattr(module, cls_name, None)
         if not isinstance(cls, type):
@@ -136,12 +136,12 @@ class FA3Side:
                           attn_attend_prefix_cache=None, attn_cp_metadata=None, mha_return_lse=False)
         name = "forward_decode" if kind == DECODE else "forward_extend"
         if not callable(getattr(type(b), name, None)):
-            raise HarnessError(f"{FA3_CLASS} has no {name}")
+            raise HarnessError(f"{self.cls_name} has no {name}")
         fn = getattr(b, name)
         o = call_bound(fn, dict(q=case.q_nope if q_nope is None else q_nope, k=None, v=None, layer=layer,
                                 forward_batch=fb, save_kv_cache=False,
                                 q_rope=case.q_pe if q_pe is None else q_pe, k_rope=None),
-                       what=f"{FA3_CLASS}.forward_{'decode' if kind == DECODE else 'extend'}")
+                       what=f"{self.cls_name}.forward_{'decode' if kind == DECODE else 'extend'}")
         return o[0] if isinstance(o, tuple) else o
 
 
@@ -154,7 +154,7 @@ class FA3Verifier:
         self.capture = self.dev.type == "cuda"  # the reference kernel reads its lengths on the device
 
     def case_result(self, kind, exec_, label, variant="") -> CaseResult:
-        c = CaseResult(file=self.rel, qualname=f"{FA3_CLASS}.forward_{'decode' if kind == DECODE else 'extend'}",
+        c = CaseResult(file=self.rel, qualname=f"{self.pat.cls_name}.forward_{'decode' if kind == DECODE else 'extend'}",
                        path={DECODE: "decode", EXTEND: "prefill"}.get(kind, kind), mode="gather", exec=exec_,
                        batch=label, kernel=KERNEL_NAME, variant=variant)
         self.report.cases.append(c)
@@ -284,8 +284,9 @@ def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_
         return
     redirect(omod, pmod)
     try:
-        orig = FA3Side("original", omod, f"<original {t.original_from}>", t.original, world.pool, world.device, t.rel)
-        pat = FA3Side("patched", pmod, str(t.path), patched_src, world.pool, world.device, t.rel)
+        orig = FA3Side("original", omod, f"<original {t.original_from}>", t.original, world.pool, world.device,
+                       t.rel, t.cls)
+        pat = FA3Side("patched", pmod, str(t.path), patched_src, world.pool, world.device, t.rel, t.cls)
     except HarnessError as exc:
         report.errors.append(str(exc))
         return
@@ -294,7 +295,7 @@ def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_
         report.notes.append(f"{t.rel}: the page-table cast has no native FP8 mode: verified gathered")
     os.environ["KVPATCH_MODE"] = "gather"
     rt.reset()
-    log(f"{t.rel}: FA3 family, original from {t.original_from}, kernel {KERNEL_NAME}")
+    log(f"{t.rel}: FA3 family ({t.cls}), original from {t.original_from}, kernel {KERNEL_NAME}")
     gen = torch.Generator(device=world.device).manual_seed(1)
     FA3Verifier(t.rel, orig, pat, rt, world, report, gen).run(graph, quick)
     rt.reset()

@@ -130,6 +130,7 @@ def paged_view(flat, page_size):
                            (stride * page_size, stride, *flat.stride()[1:]))
 
 
-# By the names SGLang imports them under (stubs.REAL).
+# By the names SGLang imports them under (stubs.REAL). MUSA's backend imports FA3's
+# merge_state_v2_wrapper (a plain pass-through to merge_state_v2) from the FA3 module.
 REAL = {"flash_attn_with_kvcache": flash_attn_with_kvcache, "merge_state_v2": merge_state_v2,
-        "paged_view": paged_view}
+        "merge_state_v2_wrapper": merge_state_v2, "paged_view": paged_view}

@@ -144,8 +144,10 @@ REAL: Dict[str, object] = {
     **FA3_REAL,
 }
 # Top-level packages always served as stubs: sgl-kernel does not load on the machines
-# verify runs on, and the page-table family calls it (merge_state_v2, FA3).
-STUB_PACKAGES = ("sglang", "sgl_kernel")
+# verify runs on, and the page-table family calls it (merge_state_v2, FA3); MUSA's FA3
+# comes from flash_attn_interface (MATE), whose flash_attn_with_kvcache is served by the
+# same reference, so both sides of a MUSA file run one kernel.
+STUB_PACKAGES = ("sglang", "sgl_kernel", "flash_attn_interface")
 
 # Environment the module expects at import (old versions index os.environ).
 ENV_DEFAULTS = {"SGLANG_ENABLE_TORCH_COMPILE": "0"}

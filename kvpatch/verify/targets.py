@@ -39,6 +39,7 @@ class Target:
     problem: str = ""            # non-empty: cannot be verified, and why (a failure)
     skip: str = ""               # non-empty: not a file this harness drives (not a failure)
     family: str = FLASHINFER_MLA  # which driver: FLASHINFER_MLA or FA3
+    cls: str = ""                # FA3: the class to drive (FlashAttentionBackend or a subclass)
 
 
 def qualname_map(source: str) -> List[Tuple[int, int, str]]:
@@ -68,14 +69,25 @@ def qualname_at(qmap: List[Tuple[int, int, str]], line: int) -> str:
     return best or "<module>"
 
 
-def backend_family(source: str) -> str:
-    """FLASHINFER_MLA if the file defines the FlashInfer MLA backend and its updaters, FA3
-    if it defines FlashAttentionBackend, else "" (SyntaxError propagates)."""
+def _base_names(cls: ast.ClassDef) -> set:
+    return {b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases
+            if isinstance(b, (ast.Name, ast.Attribute))}
+
+
+def backend_family(source: str) -> Tuple[str, str]:
+    """(family, class to drive): FLASHINFER_MLA if the file defines the FlashInfer MLA
+    backend and its updaters; FA3 with the class if it defines FlashAttentionBackend or a
+    subclass of it (MUSA's MusaFlashAttentionBackend overrides both forwards with its own
+    sites); else ("", ""). SyntaxError propagates."""
     tree = ast.parse(source)
-    names = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    names = {n.name for n in classes}
     if {BACKEND_CLASS, DECODE_UPDATER, PREFILL_UPDATER} <= names:
-        return FLASHINFER_MLA
-    return FA3 if FA3_CLASS in names else ""
+        return FLASHINFER_MLA, BACKEND_CLASS
+    if FA3_CLASS in names:
+        return FA3, FA3_CLASS
+    sub = [n.name for n in classes if FA3_CLASS in _base_names(n)]
+    return (FA3, sub[0]) if sub else ("", "")
 
 
 def _git(root: Path, cmd: str, *args: str) -> Optional[str]:
@@ -192,13 +204,14 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
                 continue
         patched = read_regular(path).decode("utf-8")
         try:
-            t.family = backend_family(patched)
+            t.family, t.cls = backend_family(patched)
         except SyntaxError as exc:
             t.problem = f"patched file {rel} does not parse: line {exc.lineno}: {exc.msg}"
             continue
         if not t.family:
-            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters and no {FA3_CLASS}; "
-                      "verify drives the FlashInfer MLA and FA3 backends only")
+            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters and no {FA3_CLASS} "
+                      "or subclass of it; verify drives the FlashInfer MLA and FA3 backends (MUSA's "
+                      "included) only")
         elif patched == t.original:
             t.problem = f"{rel} is identical to its original ({t.original_from}): not patched"
         elif RUNTIME_NAME in t.original:
