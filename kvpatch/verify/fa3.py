@@ -35,6 +35,7 @@ from .world import FP8, HEAD_DIM, KV_LORA, Q_DTYPE, ROPE, SM_SCALE, HarnessError
 PAGE_SIZES = (1, 16, 64)
 QUICK_PAGE_SIZES = (1, 64)
 CASCADE = "cascade"
+FA4, FA4_PAGE_SIZE = "fa4", 16
 HEADS = 16
 # (seq lens) per decode case; (prefix, extend) per prefill case; (prefix lens, tokens) per verify case.
 DECODE_LENS = ([37], [300, 5, 129], [64, 64, 1])
@@ -63,8 +64,8 @@ class Layer(types.SimpleNamespace, _Open):
 class Case:
     """One batch on pages: the page table, lengths and queries both sides read."""
 
-    def __init__(self, gen, dev, slots, ps, lens, qlens, heads=HEADS, width=None, expand=False):
-        self.ps, self.lens, self.qlens = ps, list(lens), list(qlens)
+    def __init__(self, gen, dev, slots, ps, lens, qlens, heads=HEADS, width=None, expand=False, ver=3):
+        self.ps, self.lens, self.qlens, self.ver = ps, list(lens), list(qlens), ver
         npages = [math.ceil(n / ps) for n in lens]
         pages = torch.randperm(slots // ps - 1, generator=gen, device=dev) + 1
         used = 0
@@ -95,7 +96,7 @@ class Case:
                                max_seq_len_q=1, max_seq_len_k=int(elens.max()))
 
     def label(self):
-        return f"page_size={self.ps} kv_lens={self.lens} q_lens={self.qlens}"
+        return f"page_size={self.ps} kv_lens={self.lens} q_lens={self.qlens}" + (f" fa{self.ver}" if self.ver != 3 else "")
 
     def clone_meta(self):
         m = Meta(**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(self.meta).items()})
@@ -124,7 +125,7 @@ class FA3Side:
 
     def forward(self, kind: str, case: Case, meta=None, q_nope=None, q_pe=None):
         b = self.backend
-        b.page_size = case.ps
+        b.page_size, b.fa_impl_ver = case.ps, case.ver
         b.topk = 2 if case.expand is not None else 1
         b.forward_metadata = meta or case.meta
         b.forward_metadata_spec_decode_expand = case.expand
@@ -175,8 +176,8 @@ class FA3Verifier:
                                else ""))
         c.status, c.message = (FAILED, "; ".join(problems)) if problems else (PASSED, c.message)
 
-    def new_case(self, ps, lens, qlens, expand=False, width=None):
-        return Case(self.gen, self.dev, self.world.slots, ps, lens, qlens, width=width, expand=expand)
+    def new_case(self, ps, lens, qlens, expand=False, width=None, ver=3):
+        return Case(self.gen, self.dev, self.world.slots, ps, lens, qlens, width=width, expand=expand, ver=ver)
 
     def eager(self, kind, case: Case, variant=""):
         c = self.case_result(kind, "eager", case.label(), variant)
@@ -264,6 +265,14 @@ class FA3Verifier:
                                                         expand=True), CASCADE)
             if graph:
                 self.graph(ps)
+        # FA4 (fa_impl_ver=4) shares the absorbed-MLA site and its cast; its branches differ
+        # around the kernel call, so run them too (the same reference kernel: the rows read
+        # are FA3's). A release whose original refuses FA4 here reports the case skipped.
+        lens = DECODE_LENS[1]
+        self.eager(DECODE, self.new_case(FA4_PAGE_SIZE, lens, [1] * len(lens), ver=4), FA4)
+        prefix, extend = PREFILL_LENS[0]
+        self.eager(EXTEND, self.new_case(FA4_PAGE_SIZE, [p + e for p, e in zip(prefix, extend)], extend, ver=4),
+                   FA4)
 
 
 def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_runtime, redirect):
