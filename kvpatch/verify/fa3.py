@@ -143,7 +143,11 @@ class FA3Side:
                                 forward_batch=fb, save_kv_cache=False,
                                 q_rope=case.q_pe if q_pe is None else q_pe, k_rope=None),
                        what=f"{self.cls_name}.forward_{'decode' if kind == DECODE else 'extend'}")
-        return o[0] if isinstance(o, tuple) else o
+        o = o[0] if isinstance(o, tuple) else o
+        if not isinstance(o, torch.Tensor):  # a kernel served by a stub (XPU's flash_mla_decode)
+            raise HarnessError(f"{self.cls_name}.{name} returned {type(o).__name__}, not a tensor: "
+                               "the kernel it calls on this path has no reference in verify")
+        return o
 
 
 class FA3Verifier:

@@ -26,6 +26,8 @@ DECODE_UPDATER = "FlashInferMLAIndicesUpdaterDecode"
 PREFILL_UPDATER = "FlashInferMLAIndicesUpdaterPrefill"
 # The page-table family (KVP103), driven by verify/fa3.py.
 FA3_CLASS = "FlashAttentionBackend"
+FA3_KERNEL = "flash_attn_with_kvcache"
+FORWARDS = ("forward_decode", "forward_extend")
 FLASHINFER_MLA, FA3 = "flashinfer_mla", "fa3"
 
 
@@ -87,7 +89,23 @@ def backend_family(source: str) -> Tuple[str, str]:
     if FA3_CLASS in names:
         return FA3, FA3_CLASS
     sub = [n.name for n in classes if FA3_CLASS in _base_names(n)]
-    return (FA3, sub[0]) if sub else ("", "")
+    if sub:
+        return FA3, sub[0]
+    # Any other backend whose forwards call FA3's kernel by name (XPU's extend): the
+    # reference kernel stands in for it as for FA3 itself.
+    own = [n.name for n in classes if _forwards_call(n, FA3_KERNEL)]
+    return (FA3, own[0]) if own else ("", "")
+
+
+def _forwards_call(cls: ast.ClassDef, func: str) -> bool:
+    for fn in cls.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name in FORWARDS:
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == func:
+                        return True
+    return False
 
 
 def _git(root: Path, cmd: str, *args: str) -> Optional[str]:
@@ -209,9 +227,8 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
             t.problem = f"patched file {rel} does not parse: line {exc.lineno}: {exc.msg}"
             continue
         if not t.family:
-            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters and no {FA3_CLASS} "
-                      "or subclass of it; verify drives the FlashInfer MLA and FA3 backends (MUSA's "
-                      "included) only")
+            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters, and no class whose "
+                      f"forwards call {FA3_KERNEL}; verify drives those two families only")
         elif patched == t.original:
             t.problem = f"{rel} is identical to its original ({t.original_from}): not patched"
         elif RUNTIME_NAME in t.original:

@@ -1,0 +1,105 @@
+"""kvpatch verify drives the FA3 family's ports, CPU path, each as its own class:
+MUSA's MusaFlashAttentionBackend (a subclass of FA3's FlashAttentionBackend with its
+own forwards and its own flash_attn_interface wrapper) and XPU's XPUAttentionBackend
+(its own class; extend rewritten, decode kept hot because flash_mla_decode has no
+checked row contract). Hand-written fixtures under tests/data/musa and tests/data/xpu,
+and the mirror's HEAD where it is checked out."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+torch = pytest.importorskip("torch")
+
+from kvpatch.cli import main  # noqa: E402
+from kvpatch.verify import run_verify  # noqa: E402
+from test_verify_fa3 import CASCADE_OMITTED, CHECKOUTS_ENV, LOCAL_HEAD, SHORT, failures_text  # noqa: E402
+from test_verify_cpu import _one_thread  # noqa: E402,F401  (autouse: one torch thread)
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "data" / "musa"
+MUSA_REL = "sglang/srt/hardware_backend/musa/attention/flashattention_backend.py"
+MUSA_SITES = {"MusaFlashAttentionBackend.forward_decode", "MusaFlashAttentionBackend.forward_extend"}
+XPU_FIXTURE = REPO / "tests" / "data" / "xpu"
+XPU_REL = "sglang/srt/layers/attention/xpu_backend.py"
+XPU_EXTEND = "XPUAttentionBackend.forward_extend"
+
+
+def _checkout(src_root: Path, tmp_path: Path, runtime_text: str = None, rel: str = MUSA_REL,
+              sites: int = 2) -> Path:
+    root = tmp_path / "port"
+    (root / "python" / rel).parent.mkdir(parents=True)
+    shutil.copyfile(src_root / "python" / rel, root / "python" / rel)
+    r = CliRunner().invoke(main, ["apply", str(root)])
+    assert r.exit_code in (0, 1), r.output
+    assert (root / "python" / rel).read_text().count("kv_pages_for_kernel(") >= sites, r.output
+    if runtime_text is not None:
+        (root / "python" / rel).with_name("_kvpatch_runtime.py").write_text(runtime_text)
+    return root
+
+
+def _musa_cases(report):
+    return [c for c in report.cases if c.qualname in MUSA_SITES]
+
+
+def test_musa_fixture_verifies_as_its_own_class(tmp_path):
+    r = run_verify(_checkout(FIXTURE, tmp_path), device="cpu", quick=True)
+    assert r.ok, r.format()
+    cases = _musa_cases(r)
+    assert {c.qualname for c in cases if c.passed} == MUSA_SITES
+    assert {c.route for c in cases if c.passed} >= {"decode", "decode:cascade", "prefill", "target_verify:cascade"}
+    assert not [c for c in r.cases if c.status == "skipped" and c.qualname in MUSA_SITES]
+
+
+@pytest.mark.parametrize("runtime_text", [SHORT, CASCADE_OMITTED], ids=["page_short", "cascade_omitted"])
+def test_musa_sabotage_fails_naming_the_site(tmp_path, runtime_text):
+    r = run_verify(_checkout(FIXTURE, tmp_path, runtime_text), device="cpu", quick=True)
+    assert not r.ok
+    assert r.failures and {c.qualname for c in r.failures} <= MUSA_SITES
+    assert MUSA_REL in failures_text(r) and "output differs from the original" in failures_text(r)
+
+
+def test_real_sglang_musa_verifies(tmp_path):
+    base = Path(os.environ.get(CHECKOUTS_ENV, "").split(os.pathsep)[0] or LOCAL_HEAD)
+    if not (base / "python" / MUSA_REL).is_file():
+        pytest.skip(f"no SGLang checkout with {MUSA_REL}: set {CHECKOUTS_ENV}=/path/to/sglang")
+    r = run_verify(_checkout(base, tmp_path), device="cpu", quick=True)
+    assert r.ok, r.format()
+    assert {c.qualname for c in _musa_cases(r) if c.passed} == MUSA_SITES
+    assert {c.route for c in _musa_cases(r) if c.passed} >= {"decode", "decode:cascade", "prefill"}
+
+
+def _xpu_root(tmp_path, runtime_text=None):
+    return _checkout(XPU_FIXTURE, tmp_path, runtime_text, rel=XPU_REL, sites=1)
+
+
+def test_xpu_extend_verifies_and_its_unrewritten_decode_is_skipped_with_the_reason(tmp_path):
+    r = run_verify(_xpu_root(tmp_path), device="cpu", quick=True)
+    assert r.ok, r.format()
+    extend = [c for c in r.cases if c.qualname == XPU_EXTEND]
+    assert extend and all(c.passed for c in extend)
+    assert {c.route for c in extend} >= {"prefill", "target_verify:cascade"}
+    decode = [c for c in r.cases if c.qualname == "XPUAttentionBackend.forward_decode"]
+    assert decode and all(c.status == "skipped" for c in decode)
+    assert all("has no reference in verify" in c.message or "original raised" in c.message for c in decode)
+
+
+def test_xpu_extend_page_short_fails_naming_the_site(tmp_path):
+    r = run_verify(_xpu_root(tmp_path, SHORT), device="cpu", quick=True)
+    assert not r.ok
+    assert {c.qualname for c in r.failures} == {XPU_EXTEND}
+    assert XPU_REL in failures_text(r)
+
+
+def test_real_sglang_xpu_extend_verifies(tmp_path):
+    base = Path(os.environ.get(CHECKOUTS_ENV, "").split(os.pathsep)[0] or LOCAL_HEAD)
+    if not (base / "python" / XPU_REL).is_file():
+        pytest.skip(f"no SGLang checkout with {XPU_REL}: set {CHECKOUTS_ENV}=/path/to/sglang")
+    r = run_verify(_checkout(base, tmp_path, rel=XPU_REL, sites=1), device="cpu", quick=True)
+    assert r.ok, r.format()
+    assert [c for c in r.cases if c.qualname == XPU_EXTEND and c.passed]
