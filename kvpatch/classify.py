@@ -1,4 +1,4 @@
-"""classify: is a pool cast real, or provably a no-op?
+"""classify: is a pool cast real, or provably a no-op? Is its result dead?
 
 A cast `buf.to(D)` is a no-op when D is, on every path, the pool's own dtype:
 D names the KV dtype itself, or D is `q.dtype` and every definition of `q`
@@ -16,7 +16,7 @@ from typing import List
 import libcst as cst
 
 from kvpatch.dataflow import Definition
-from kvpatch.match import CastForm, UnitContext, is_kv_dtype_expr
+from kvpatch.match import CastForm, Consumer, UnitContext, is_kv_dtype_expr
 
 
 @dataclass
@@ -72,3 +72,27 @@ def prove_noop(form: CastForm, ctx: UnitContext) -> NoopVerdict:
                                       f"(line {ctx.line(x.stmt)}); a guarded earlier cast proves nothing, "
                                       f"so this cast is real on the other paths")
     return NoopVerdict(False, "")
+
+
+def dead_result(cast: cst.Call, consumers: List[Consumer], ctx: UnitContext) -> str:
+    """Why the result of `cast` is never read as data (a dead store), or "" when
+    something may read it. A dead cast still casts the whole pool every call."""
+    stmt = ctx.statement_of(cast)
+    if isinstance(stmt, cst.Expr):
+        if consumers and all(c.kind == "discard" for c in consumers):
+            return "its result is discarded (the cast is an expression statement)"
+        return ""
+    if consumers or not isinstance(stmt, (cst.Assign, cst.AnnAssign)):
+        return ""
+    defs = [d for d in ctx.flow.defs if d.stmt is stmt]
+    if not defs or any(d.kind == "unpack" for d in defs):
+        return ""  # unpacked pieces: the data flow does not follow them, so nothing is proven
+    names = ", ".join(sorted({f"`{d.name}`" for d in defs}))
+    if any(ctx.flow.uses_of(d) for d in defs):
+        return f"its result {names} is read only for metadata (`.shape`, `.dtype`, ...), never as data"
+    line = ctx.line(stmt)
+    later = sorted(ctx.line(d.stmt) for d in ctx.flow.defs
+                   if d.stmt is not None and d.name in {x.name for x in defs} and ctx.line(d.stmt) > line)
+    if later:
+        return f"{names} is overwritten at line {later[0]} before any read"
+    return f"{names} is never read"

@@ -58,7 +58,7 @@ class CastForm:
 
 @dataclass
 class Consumer:
-    kind: str  # call | return | yield | store | method | unknown
+    kind: str  # call | return | yield | store | method | discard | unknown
     node: Optional[cst.CSTNode]
     call: Optional[cst.Call] = None
     arg_index: Optional[int] = None
@@ -289,6 +289,8 @@ class UnitContext:
                 return [Consumer("return", par, via=list(via))]
             if isinstance(par, (cst.Yield,)):
                 return [Consumer("yield", par, via=list(via))]
+            if isinstance(par, cst.Expr):
+                return [Consumer("discard", par, via=list(via))]
             return [Consumer("unknown", par, via=list(via))]
 
     def _consumers_of_assign(self, stmt, expr, seen, via, views=()) -> List[Consumer]:
@@ -316,6 +318,8 @@ def describe(c: Consumer, ctx: UnitContext) -> str:
         return f"a `return` (line {ctx.line(c.node)})"
     if c.kind == "yield":
         return f"a `yield` (line {ctx.line(c.node)})"
+    if c.kind == "discard":
+        return f"nothing (the result is discarded, line {ctx.line(c.node)})"
     if c.kind == "store":
         return f"an attribute or item store (line {ctx.line(c.node)})"
     return f"`{ctx.code(c.node)}` (line {ctx.line(c.node)})"

@@ -14,6 +14,7 @@ from typing import Optional
 import libcst as cst
 
 from kvpatch.candidates import CastCandidate
+from kvpatch.classify import dead_result
 from kvpatch.match import Consumer, UnitContext, consumer_names, describe, is_mla_run
 from kvpatch.tensorops import PAGED_KEYWORDS
 from kvpatch.rule import Decision, Invalid, Rule, Upstream, Valid
@@ -77,6 +78,15 @@ def forward_decode(self, q, layer, forward_batch):
 """,
             why="the kernel reads the FP8 pool itself: no cast at all",
         ),
+        Valid(
+            """
+def forward_decode(self, q, layer, forward_batch):
+    rows = self.token_to_kv_pool.get_key_buffer(layer.layer_id)[forward_batch.kv_indices].to(q.dtype)
+    rows = None
+    return self.kernel(q, forward_batch.kv_indices)
+""",
+            why="a dead store of gathered rows: wasted, but never a pool-wide cast",
+        ),
     )
 
     INVALID = (
@@ -129,6 +139,27 @@ def forward_extend(self, q, layer, forward_batch):
             status=HOT,
             why="an MHA pool read as a (k, v) tuple, both halves cast under a guard",
         ),
+        Invalid(
+            """
+class AiterAttnBackend:
+    def forward_decode(self, q, layer, forward_batch):
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        return mla_decode_fwd(q, k_buffer.view(-1, 1, 1, 576), self.kv_indptr, self.kv_indices)
+""",
+            status=HOT,
+            why="a dead store: the cast is overwritten before any read, yet still casts the whole pool",
+        ),
+        Invalid(
+            """
+class NpuBackend:
+    def forward_extend(self, q, layer, forward_batch):
+        self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        return self.kernel(q, forward_batch)
+""",
+            status=HOT,
+            why="a discarded cast (expression statement) is a dead store, not a result that escapes",
+        ),
     )
 
     def fixed_upstream(self, call: cst.Call, ctx: UnitContext) -> Optional[Upstream]:
@@ -156,6 +187,11 @@ def forward_extend(self, q, layer, forward_batch):
                             + (f" ({', '.join(others[:2])})" if others else "")
                             + ": rewriting it could gather from the wrong buffer")
         guard = f" {cand.guard_note}." if cand.guard_note else ""
+        dead = dead_result(cand.call, cand.consumers, ctx)
+        if dead:
+            return Decision(HOT, f"full-pool cast that is a dead store: {dead}. It still casts the whole layer "
+                                 f"pool on every call, for nothing: delete the cast (no rule rewrites dead "
+                                 f"code).{guard}")
         escapes = [c for c in cand.consumers if c.kind in ("return", "yield", "store", "unknown")]
         if escapes:
             return Decision(UNSUPPORTED, f"full-pool cast whose result escapes through {describe(escapes[0], ctx)}: "
