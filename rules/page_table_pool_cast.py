@@ -26,13 +26,12 @@ import libcst as cst
 from kvpatch.candidates import CastCandidate
 from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, cast_builder, lambda_tuple
 from kvpatch.match import Consumer, UnitContext, consumer_names
-from kvpatch.stable import differs_at, stored_in
+from kvpatch.pagedcall import PAGED_KERNELS, PagedArgs, bind_paged, closure_tables, is_cache_arg, kw, walk
+from kvpatch.stable import differs_at
 from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid
-from kvpatch.sites import FIXED_UPSTREAM, HOT, UNSUPPORTED
+from kvpatch.sites import HOT, UNSUPPORTED
 
-SEQLENS_KEYWORD = "cache_seqlens"
-CACHE_KEYWORDS = ("k_cache", "v_cache")
 ABSORBED_KEYWORD = "qv"  # FA3's absorbed-MLA query half: the call reads the latent cache
 RT = IMPORT_LINE + "\n\n"  # what apply adds at the top of a file with no imports
 
@@ -85,6 +84,38 @@ FA3_PATCHED_CAST = '''        kv_cache = _kvpatch_rt.kv_pages_for_kernel(
             ),
         )
 '''
+XPU_DECODE = """
+class XPUAttentionBackend:
+    def forward_decode(self, q, q_rope, layer, metadata):
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        return flash_mla_decode(q, q_rope, kv_cache.view(-1, self.page_size, layer.head_dim),
+                                metadata.cache_seqlens_int32, metadata.page_table, self.workspace, layer.scaling,
+                                num_kv_splits=1)
+"""
+XPU_PREFILL = """
+class XPUAttentionBackend:
+    def forward_extend(self, q, q_rope, layer, metadata, use_local_attn):
+        if use_local_attn:
+            page_table = metadata.local_attn_metadata.local_block_table
+            cache_seqlens = metadata.local_attn_metadata.local_seqused_k
+        else:
+            page_table = metadata.page_table
+            cache_seqlens = metadata.cache_seqlens_int32
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(
+            q.dtype
+        )
+        return flash_mla_prefill(q_nope=q, q_pe=q_rope, kv_c_and_k_pe_cache=kv_cache.view(-1, self.page_size, 576),
+                                 cu_seqlens_q=metadata.cu_seqlens_q, seq_lens_k=cache_seqlens, max_seqlen_q=1,
+                                 page_table=page_table, workspace=self.workspace, sm_scale=layer.scaling)
+"""
+XPU_CAST = "self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)"
+XPU_CAST_WRAPPED = "self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(\n            q.dtype\n        )"
+
+
+def _patched(pair: str) -> str:
+    """The XPU examples' cast as apply rewrites it, with one (table, lengths) pair."""
+    return ("_kvpatch_rt.kv_pages_for_kernel(\n            self.token_to_kv_pool.get_key_buffer(layer.layer_id),\n"
+            f"            q.dtype,\n            self.page_size,\n            lambda: ({pair}),\n        )")
 
 
 def _is_minus_one(e: cst.BaseExpression) -> bool:
@@ -102,14 +133,9 @@ def _page_dim(view: cst.Call) -> Optional[cst.BaseExpression]:
     return None
 
 
-def _kw(call: cst.Call, name: str) -> Optional[cst.Arg]:
-    return next((a for a in call.args if a.keyword is not None and a.keyword.value == name), None)
-
-
 def paged_call(c: Consumer) -> bool:
-    """The cast reaches the kernel as its k_cache/v_cache, next to a page table and seqlens."""
-    return (c.kind == "call" and c.call is not None and c.keyword in CACHE_KEYWORDS
-            and any(_kw(c.call, k) for k in PAGED_KEYWORDS) and _kw(c.call, SEQLENS_KEYWORD) is not None)
+    """The cast reaches a page-table kernel as one of its caches (kvpatch.pagedcall)."""
+    return c.kind == "call" and c.call is not None and is_cache_arg(c.call, c.keyword, c.arg_index)
 
 
 class PageTablePoolCast(Rule):
@@ -211,16 +237,30 @@ class FlashAttentionBackend:
             why="the closure's page table is its own parameter's: not known at the cast",
         ),
         Invalid(
-            """
-class XPUAttentionBackend:
-    def forward_decode(self, q, q_rope, layer, metadata):
-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        return flash_mla_decode(q, q_rope, kv_cache.view(-1, self.page_size, layer.head_dim),
-                                metadata.cache_seqlens_int32, metadata.page_table, self.workspace, layer.scaling)
-""",
+            XPU_DECODE,
+            expected=RT + XPU_DECODE.replace(XPU_CAST, _patched("metadata.page_table, metadata.cache_seqlens_int32")),
             status="hot",
-            why="XPU decode (SGLang HEAD to 0.5.23): flash_mla_decode takes the table and lengths positionally; "
-                "reported with that reason, not rewritten",
+            why="XPU decode (SGLang HEAD to 0.5.23): sgl-kernel's flash_mla_decode takes the lengths and the table "
+                "by position (q_nope, q_pe, cache, seq_lens, page_table, ...)",
+        ),
+        Invalid(
+            XPU_PREFILL,
+            expected=RT + XPU_PREFILL.replace(XPU_CAST_WRAPPED, _patched("page_table, cache_seqlens")),
+            status="hot",
+            why="XPU extend (SGLang 0.5.23): flash_mla_prefill by keyword, its table and lengths local names bound "
+                "before the cast (local attention, SWA or the plain metadata)",
+        ),
+        Invalid(
+            XPU_DECODE.replace("metadata.cache_seqlens_int32, metadata.page_table,", "lens, metadata.page_table,")
+                      .replace("        return", "        lens = metadata.cache_seqlens_int32 + 1\n        return"),
+            status="unsupported",
+            why="the lengths are computed after the cast: the runtime would read them before they exist",
+        ),
+        Invalid(
+            XPU_DECODE.replace("flash_mla_decode(", "other_mla_decode("),
+            status="hot",
+            why="a kernel that takes the page table by position but whose signature KVP103 does not know: reported "
+                "with what a rewrite needs, not rewritten",
         ),
     )
 
@@ -236,7 +276,7 @@ class XPUAttentionBackend:
         for c in ctx.consumers(call):
             if c.kind != "call" or c.call is None:
                 continue
-            if paged_call(c) and _kw(c.call, ABSORBED_KEYWORD) is not None:
+            if paged_call(c) and kw(c.call, ABSORBED_KEYWORD) is not None:
                 return Upstream(call, consumer_names([c], ctx),
                                 "no cast: the latent cache reaches the page-table kernel as stored (it reads the "
                                 "KV-cache dtype itself): nothing to rewrite")
@@ -262,7 +302,7 @@ class XPUAttentionBackend:
         if nested:
             return Decision(UNSUPPORTED, f"the cast sits inside {nested}")
         names = {n for c in cand.consumers for n in c.via}
-        closure_pairs, problem = _closure_tables(ctx, names, cand)
+        closure_pairs, problem = closure_tables(ctx, names, cand)
         if problem:
             return Decision(UNSUPPORTED, problem)
         for c in paged:
@@ -305,15 +345,14 @@ class XPUAttentionBackend:
     def _tables(paged: List[Consumer], cand: CastCandidate, ctx: UnitContext):
         pairs: List[Tuple[str, str]] = []
         for c in paged:
-            pt = next(_kw(c.call, k) for k in PAGED_KEYWORDS if _kw(c.call, k))
-            sl = _kw(c.call, SEQLENS_KEYWORD)
-            for arg in (pt, sl):
-                if any(isinstance(n, cst.Call) for n in _walk(arg.value)):
-                    return [], f"`{ctx.code(arg.value)}` calls a function: it would run at the cast too"
-                problem = differs_at(ctx, arg.value, cand.call, f"`{ctx.code(c.call.func)}`")
+            got: PagedArgs = bind_paged(c.call)
+            for arg in (got.table, got.seqlens):
+                if any(isinstance(n, cst.Call) for n in walk(arg)):
+                    return [], f"`{ctx.code(arg)}` calls a function: it would run at the cast too"
+                problem = differs_at(ctx, arg, cand.call, f"`{ctx.code(c.call.func)}`")
                 if problem:
                     return [], problem
-            pair = (ctx.code(pt.value), ctx.code(sl.value))
+            pair = (ctx.code(got.table), ctx.code(got.seqlens))
             if pair not in pairs:
                 pairs.append(pair)
         return pairs, ""
@@ -325,8 +364,8 @@ class XPUAttentionBackend:
 
 
 def _positional_pages(cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
-    """Why a kernel that takes the pages positionally (XPU's `flash_mla_decode(q_nope, q_rope,
-    cache.view(-1, page_size, 576), seqlens, page_table, ...)`) keeps its full-pool cast."""
+    """Why a kernel that takes a page table positionally, and whose signature is not
+    among the known paged kernels (kvpatch.pagedcall.PAGED_KERNELS), keeps its cast."""
     for c in cand.consumers:
         if c.kind != "call" or c.call is None or c.keyword is not None:
             continue
@@ -336,95 +375,8 @@ def _positional_pages(cand: CastCandidate, ctx: UnitContext) -> Optional[Decisio
             continue
         guard = f" {cand.guard_note}." if cand.guard_note else ""
         return Decision(HOT, f"full-pool cast consumed by {consumer_names([c], ctx)}, which takes the paged cache "
-                             f"and `{ctx.code(table)}` as positional arguments (no `page_table=`/`{SEQLENS_KEYWORD}=`): "
-                             f"which position holds the lengths, and that the kernel reads only "
-                             f"`ceil(len / page_size)` pages of each row, is not checked against its source "
-                             f"(sgl-kernel's XPU build), so KVP103 does not rewrite it.{guard}")
+                             f"and `{ctx.code(table)}` by position, and whose signature is not one KVP103 knows "
+                             f"({', '.join(sorted(PAGED_KERNELS))}), or the call does not bind to it: a rewrite "
+                             f"needs the kernel's parameter order (which argument holds each request's length) "
+                             f"and that it reads only `ceil(len / page_size)` pages of each table row.{guard}")
     return None
-
-
-def _closure_tables(ctx: UnitContext, names, cand: CastCandidate) -> Tuple[List[Tuple[str, str]], str]:
-    """The (page_table, cache_seqlens) pairs of page-table calls inside nested functions
-    that read the cast result (`names`), or why they cannot be known. The data flow
-    follows no value into a closure, so each read there must be a k_cache/v_cache of a
-    paged call. Its table must be a value the enclosing function fixes before the cast
-    (no assignment to its names after it); lengths that are the closure's own (context
-    parallel splits them) become None: every entry of the table is cast, a superset."""
-    pairs: List[Tuple[str, str]] = []
-    for node in _walk(ctx.func.body):
-        if not isinstance(node, (cst.FunctionDef, cst.Lambda)):
-            continue
-        scope = node.name.value if isinstance(node, cst.FunctionDef) else "<lambda>"
-        local = _bound_in(node)
-        for inner in _walk(node):
-            if not (isinstance(inner, cst.Name) and inner.value in names):
-                continue
-            call = _paged_call_of(inner, node)
-            if call is None:
-                return [], (f"`{inner.value}` is also read inside the nested function `{scope}`, not as the cache of "
-                            f"a page-table call: what it reads there is not known at the cast")
-            pt = next(_kw(call, k) for k in PAGED_KEYWORDS if _kw(call, k)).value
-            sl = _kw(call, SEQLENS_KEYWORD).value
-            why = _fixed_before(ctx, pt, local, cand)
-            if why:
-                return [], f"`{ctx.code(call.func)}` inside `{scope}`: {why}"
-            pair = (ctx.code(pt), ctx.code(sl) if not _fixed_before(ctx, sl, local, cand) else "None")
-            if pair not in pairs:
-                pairs.append(pair)
-    return pairs, ""
-
-
-def _paged_call_of(name: cst.Name, scope: cst.CSTNode) -> Optional[cst.Call]:
-    """The page-table call inside `scope` that takes `name` as its k_cache/v_cache."""
-    for node in _walk(scope):
-        if isinstance(node, cst.Call) and any(_kw(node, k) for k in PAGED_KEYWORDS) \
-                and _kw(node, SEQLENS_KEYWORD) is not None:
-            for k in CACHE_KEYWORDS:
-                a = _kw(node, k)
-                if a is not None and a.value is name:
-                    return node
-    return None
-
-
-def _bound_in(scope: cst.CSTNode) -> set:
-    """Names a nested function binds itself (parameters and assignments)."""
-    out = set()
-    params = scope.params if isinstance(scope, (cst.FunctionDef, cst.Lambda)) else None
-    if params is not None:
-        for p in (*params.params, *params.kwonly_params, *params.posonly_params):
-            out.add(p.name.value)
-        for p in (params.star_arg, params.star_kwarg):
-            if isinstance(p, cst.Param):
-                out.add(p.name.value)
-    for node in _walk(scope):
-        if isinstance(node, cst.AssignTarget) and isinstance(node.target, cst.Name):
-            out.add(node.target.value)
-    return out
-
-
-def _fixed_before(ctx: UnitContext, expr: cst.BaseExpression, local: set, cand: CastCandidate) -> str:
-    """Why `expr` (read in a closure) may not be what it is at the cast, or ""."""
-    from kvpatch.dataflow import loads_in
-
-    if any(isinstance(n, cst.Call) for n in _walk(expr)):
-        return f"`{ctx.code(expr)}` calls a function"
-    cast_line = ctx.line(cand.call)
-    node = cand.call
-    while node is not None and node is not ctx.func:
-        if isinstance(node, (cst.For, cst.While)):
-            return "the cast sits in a loop: a later iteration may rebind what the closure reads"
-        node = ctx.parents.get(node)
-    for name in loads_in(expr):
-        if name.value in local:
-            return f"`{name.value}` is the nested function's own"
-        later = [d for d in ctx.flow.defs if d.name == name.value and d.stmt is not None
-                 and ctx.line(d.stmt) > cast_line]
-        if later:
-            return f"`{name.value}` is assigned after the cast (line {ctx.line(later[0].stmt)})"
-    return stored_in(ctx, expr, "the call")
-
-
-def _walk(node: cst.CSTNode):
-    yield node
-    for child in node.children:
-        yield from _walk(child)

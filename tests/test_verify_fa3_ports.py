@@ -1,8 +1,8 @@
 """kvpatch verify drives the FA3 family's ports, CPU path, each as its own class:
 MUSA's MusaFlashAttentionBackend (a subclass of FA3's FlashAttentionBackend with its
 own forwards and its own flash_attn_interface wrapper) and XPU's XPUAttentionBackend
-(its own class; extend rewritten, decode kept hot because flash_mla_decode has no
-checked row contract). Hand-written fixtures under tests/data/musa and tests/data/xpu,
+(its own class; extend and decode rewritten, decode's sgl-kernel flash_mla_decode served by
+the same torch reference as FA3, fa3_reference.flash_mla_decode). Hand-written fixtures under tests/data/musa and tests/data/xpu,
 and the mirror's HEAD where it is checked out."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ MUSA_SITES = {"MusaFlashAttentionBackend.forward_decode", "MusaFlashAttentionBac
 XPU_FIXTURE = REPO / "tests" / "data" / "xpu"
 XPU_REL = "sglang/srt/layers/attention/xpu_backend.py"
 XPU_EXTEND = "XPUAttentionBackend.forward_extend"
+XPU_DECODE = "XPUAttentionBackend.forward_decode"
 
 
 def _checkout(src_root: Path, tmp_path: Path, runtime_text: str = None, rel: str = MUSA_REL,
@@ -75,24 +76,23 @@ def test_real_sglang_musa_verifies(tmp_path):
 
 
 def _xpu_root(tmp_path, runtime_text=None):
-    return _checkout(XPU_FIXTURE, tmp_path, runtime_text, rel=XPU_REL, sites=1)
+    return _checkout(XPU_FIXTURE, tmp_path, runtime_text, rel=XPU_REL, sites=2)
 
 
-def test_xpu_extend_verifies_and_its_unrewritten_decode_is_skipped_with_the_reason(tmp_path):
+def test_xpu_extend_and_decode_verify(tmp_path):
     r = run_verify(_xpu_root(tmp_path), device="cpu", quick=True)
     assert r.ok, r.format()
     extend = [c for c in r.cases if c.qualname == XPU_EXTEND]
     assert extend and all(c.passed for c in extend)
     assert {c.route for c in extend} >= {"prefill", "target_verify:cascade"}
-    decode = [c for c in r.cases if c.qualname == "XPUAttentionBackend.forward_decode"]
-    assert decode and all(c.status == "skipped" for c in decode)
-    assert all("has no reference in verify" in c.message or "original raised" in c.message for c in decode)
+    decode = [c for c in r.cases if c.qualname == XPU_DECODE]
+    assert decode and all(c.passed for c in decode), r.format()  # flash_mla_decode, rewritten by its signature
 
 
-def test_xpu_extend_page_short_fails_naming_the_site(tmp_path):
+def test_xpu_page_short_fails_naming_both_sites(tmp_path):
     r = run_verify(_xpu_root(tmp_path, SHORT), device="cpu", quick=True)
     assert not r.ok
-    assert {c.qualname for c in r.failures} == {XPU_EXTEND}
+    assert {c.qualname for c in r.failures} == {XPU_EXTEND, XPU_DECODE}
     assert XPU_REL in failures_text(r)
 
 

@@ -121,7 +121,7 @@ class FA3Side:
             device=device, token_to_kv_pool=pool, use_mla=True, topk=1, fa_impl_ver=3, num_splits=0,
             kv_cache_dtype=FP8, kv_cache_dtype_str="fp8_e4m3", kv_cache_is_mxfp8=False,
             has_local_attention=False, attention_chunk_size=None, is_prefill_aware_swa=False,
-            use_sliding_window_kv_pool=False, attn_cp_size=1, fa_skip_kv_cache=False)
+            use_sliding_window_kv_pool=False, attn_cp_size=1, fa_skip_kv_cache=False, dcp_size=1)
 
     def forward(self, kind: str, case: Case, meta=None, q_nope=None, q_pe=None):
         b = self.backend

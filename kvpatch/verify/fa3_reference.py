@@ -1,4 +1,6 @@
-"""Torch stand-ins for the page-table kernels the FA3 family calls (CPU and CUDA).
+"""Torch stand-ins for the page-table kernels the FA3 family calls (CPU and CUDA), and
+sgl-kernel's XPU paged MLA kernels (``flash_mla_decode``/``flash_mla_prefill``, the same
+absorbed attention over the same pages, served by this one reference).
 
 sgl-kernel's ``flash_attn_with_kvcache`` (FA3) cannot load on the GPU here, so both
 sides of a verify run this reference instead. It has FA3's semantics for what a
@@ -122,6 +124,33 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None):
     return v, s
 
 
+def _mla_caches(kv_c_and_k_pe_cache, latent):
+    """sgl-kernel's paged MLA cache [pages, page_size, latent + rope] as FA3's absorbed pair:
+    k_cache the rope part, v_cache the latent part, one KV head each."""
+    c = kv_c_and_k_pe_cache.unsqueeze(2)
+    return c[..., latent:], c[..., :latent]
+
+
+def flash_mla_decode(q_nope, q_pe, kv_c_and_k_pe_cache, seq_lens, page_table, workspace, sm_scale,
+                     num_kv_splits=1):
+    """sgl-kernel's (XPU) paged MLA decode: one query per request, reads token j < seq_lens[b]
+    at page page_table[b, j // page_size]. Out [batch, heads, latent]."""
+    k_cache, v_cache = _mla_caches(kv_c_and_k_pe_cache, q_nope.shape[-1])
+    batch = seq_lens.shape[0]
+    cu = torch.arange(batch + 1, device=q_nope.device, dtype=torch.int32)
+    return flash_attn_with_kvcache(q_pe, k_cache, v_cache, qv=q_nope, cache_seqlens=seq_lens, page_table=page_table,
+                                   cu_seqlens_q=cu, softmax_scale=sm_scale, causal=False)
+
+
+def flash_mla_prefill(q_nope, q_pe, kv_c_and_k_pe_cache, cu_seqlens_q, seq_lens_k, max_seqlen_q, page_table,
+                      workspace, sm_scale, causal=True, num_kv_splits=-1):
+    """sgl-kernel's (XPU) paged MLA prefill: ragged queries (cu_seqlens_q), each request's
+    new tokens causal after its unmasked prefix (FA3's query offset). Out [total_q, heads, latent]."""
+    k_cache, v_cache = _mla_caches(kv_c_and_k_pe_cache, q_nope.shape[-1])
+    return flash_attn_with_kvcache(q_pe, k_cache, v_cache, qv=q_nope, cache_seqlens=seq_lens_k, page_table=page_table,
+                                   cu_seqlens_q=cu_seqlens_q, softmax_scale=sm_scale, causal=causal)
+
+
 def paged_view(flat, page_size):
     """SGLang 0.5.23's mem_cache.layout.paged_view: ``[slots, ...]`` -> ``[slots // page_size,
     page_size, ...]`` as a strided view."""
@@ -133,4 +162,5 @@ def paged_view(flat, page_size):
 # By the names SGLang imports them under (stubs.REAL). MUSA's backend imports FA3's
 # merge_state_v2_wrapper (a plain pass-through to merge_state_v2) from the FA3 module.
 REAL = {"flash_attn_with_kvcache": flash_attn_with_kvcache, "merge_state_v2": merge_state_v2,
-        "merge_state_v2_wrapper": merge_state_v2, "paged_view": paged_view}
+        "merge_state_v2_wrapper": merge_state_v2, "paged_view": paged_view,
+        "flash_mla_decode": flash_mla_decode, "flash_mla_prefill": flash_mla_prefill}

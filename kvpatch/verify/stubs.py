@@ -146,8 +146,9 @@ REAL: Dict[str, object] = {
 # Top-level packages always served as stubs: sgl-kernel does not load on the machines
 # verify runs on, and the page-table family calls it (merge_state_v2, FA3); MUSA's FA3
 # comes from flash_attn_interface (MATE), whose flash_attn_with_kvcache is served by the
-# same reference, so both sides of a MUSA file run one kernel.
-STUB_PACKAGES = ("sglang", "sgl_kernel", "flash_attn_interface")
+# same reference, so both sides of a MUSA file run one kernel. msgspec: SGLang 0.5.23's XPU
+# backend subclasses msgspec.Struct for its DCP metadata (a dependency verify does not need).
+STUB_PACKAGES = ("sglang", "sgl_kernel", "flash_attn_interface", "msgspec")
 
 # Environment the module expects at import (old versions index os.environ).
 ENV_DEFAULTS = {"SGLANG_ENABLE_TORCH_COMPILE": "0"}

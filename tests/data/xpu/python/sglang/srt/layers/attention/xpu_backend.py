@@ -2,7 +2,8 @@
 
 As SGLang's XPU backend does it: its own class (not an FA3 subclass) whose extend is
 FA3-shaped (flash_attn_with_kvcache on pages, rewritten by KVP103) and whose decode
-hands the cast pool to flash_mla_decode positionally (kept hot with a reason).
+hands the cast pool to flash_mla_decode positionally (rewritten through its signature;
+verify has no reference for it, so it is skipped).
 """
 
 import torch
