@@ -36,14 +36,30 @@ PAGED_KERNELS: Dict[str, tuple] = {
                           "workspace", "sm_scale", "causal", "num_kv_splits"),
 }
 KERNEL_SEQLENS = ("seq_lens", "seq_lens_k")  # the lengths parameter of a PAGED_KERNELS signature
+# Keyword-only page-table kernels other than flash_attn_with_kvcache: (cache keywords, lengths
+# keyword). aiter's triton unified_attention (vLLM's): k=, v=, block_table=, seqused_k=.
+KEYWORD_KERNELS: Dict[str, tuple] = {"unified_attention": (("k", "v"), "seqused_k")}
+# Kernels that take FlashInfer's ragged page list: request b reads the pages
+# kv_page_indices[kv_indptr[b]:kv_indptr[b + 1]] of block_size slots. aiter's
+# paged_attention_ragged (ROCm/aiter, aiter/ops/attention.py), parameters in order; its
+# caches are [blocks, block_size, heads, dim] in the "NHD" layout SGLang passes.
+RAGGED_KERNELS: Dict[str, tuple] = {
+    "paged_attention_ragged": ("out", "workspace_buffer", "query", "key_cache", "value_cache", "scale", "kv_indptr",
+                               "kv_page_indices", "kv_last_page_lens", "block_size", "max_num_partitions",
+                               "alibi_slopes", "kv_cache_dtype", "kv_cache_layout", "logits_soft_cap", "k_scale",
+                               "v_scale", "fp8_out_scale", "partition_size", "mtp"),
+}
+RAGGED_CACHES = ("key_cache", "value_cache")
+RAGGED_LAYOUT = ("kv_cache_layout", "NHD")  # the layout whose dim 1 is the block
 
 
 @dataclass
 class PagedArgs:
     caches: List[cst.BaseExpression]  # the arguments the kernel reads as paged caches
     table: cst.BaseExpression
-    seqlens: cst.BaseExpression
-    by_position: bool  # bound through a PAGED_KERNELS signature
+    seqlens: cst.BaseExpression  # for a ragged kernel: its kv_indptr (table: its kv_page_indices)
+    by_position: bool  # bound through a PAGED_KERNELS or RAGGED_KERNELS signature
+    block_size: Optional[cst.BaseExpression] = None  # set for a ragged kernel: the page size it is told
 
 
 def kw(call: cst.Call, name: str) -> Optional[cst.Arg]:
@@ -73,9 +89,24 @@ def _bind_signature(call: cst.Call, params: tuple) -> Optional[Dict[str, cst.Bas
     return out
 
 
+def _bind_ragged(call: cst.Call, params: tuple) -> Optional[PagedArgs]:
+    bound = _bind_signature(call, params)
+    need = RAGGED_CACHES + ("kv_indptr", "kv_page_indices", "block_size", RAGGED_LAYOUT[0])
+    if bound is None or not all(p in bound for p in need):
+        return None
+    layout = bound[RAGGED_LAYOUT[0]]
+    if not (isinstance(layout, cst.SimpleString) and layout.evaluated_value == RAGGED_LAYOUT[1]):
+        return None  # another layout puts the block elsewhere than the view's dim 1
+    return PagedArgs([bound[p] for p in RAGGED_CACHES], bound["kv_page_indices"], bound["kv_indptr"], True,
+                     bound["block_size"])
+
+
 def bind_paged(call: cst.Call) -> Optional[PagedArgs]:
     """The caches, table and lengths of a page-table call, or None if it is not one."""
-    params = PAGED_KERNELS.get(kernel_name(call))
+    name = kernel_name(call)
+    if name in RAGGED_KERNELS:
+        return _bind_ragged(call, RAGGED_KERNELS[name])
+    params = PAGED_KERNELS.get(name)
     if params is not None:
         bound = _bind_signature(call, params)
         if bound is None:
@@ -85,9 +116,10 @@ def bind_paged(call: cst.Call) -> Optional[PagedArgs]:
         if MLA_CACHE not in bound or table is None or seqlens is None:
             return None
         return PagedArgs([bound[MLA_CACHE]], table, seqlens, True)
+    cache_kws, seqlens_kw = KEYWORD_KERNELS.get(name, (CACHE_KEYWORDS, SEQLENS_KEYWORD))
     table = next((a.value for k in PAGED_KEYWORDS for a in [kw(call, k)] if a is not None), None)
-    seqlens = kw(call, SEQLENS_KEYWORD)
-    caches = [a.value for k in CACHE_KEYWORDS for a in [kw(call, k)] if a is not None]
+    seqlens = kw(call, seqlens_kw)
+    caches = [a.value for k in cache_kws for a in [kw(call, k)] if a is not None]
     if table is None or seqlens is None or not caches:
         return None
     return PagedArgs(caches, table, seqlens.value, False)
@@ -103,10 +135,12 @@ def is_cache_arg(call: cst.Call, keyword: Optional[str], index: Optional[int]) -
     """The argument at `keyword` (or positional `index`) of a page-table call is a cache."""
     if bind_paged(call) is None:
         return False
-    params = PAGED_KERNELS.get(kernel_name(call))
+    name = kernel_name(call)
+    params = PAGED_KERNELS.get(name) or RAGGED_KERNELS.get(name)
     if params is None:
-        return keyword in CACHE_KEYWORDS
-    return keyword == MLA_CACHE or (keyword is None and index is not None and params[index] == MLA_CACHE)
+        return keyword in KEYWORD_KERNELS.get(name, (CACHE_KEYWORDS,))[0]
+    caches = RAGGED_CACHES if name in RAGGED_KERNELS else (MLA_CACHE,)
+    return keyword in caches or (keyword is None and index is not None and params[index] in caches)
 
 
 # -- page-table calls inside closures (context parallel) --------------------------------

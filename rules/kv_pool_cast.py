@@ -196,15 +196,43 @@ class NpuBackend:
         if escapes:
             return Decision(UNSUPPORTED, f"full-pool cast whose result escapes through {describe(escapes[0], ctx)}: "
                                          f"the kernel and the rows it reads are not visible in this function.{guard}")
-        for c in cand.consumers:
-            kw = paged_keyword(c)
-            if kw:
-                return Decision(HOT, f"full-pool cast consumed by {describe(c, ctx)} through `{kw}=` "
-                                     f"(pages of page_size), not through kv_indices: a gathered cast for this "
-                                     f"backend needs a rule of its own.{guard}")
         if cand.form.kind != "to":
             return Decision(HOT, f"full-pool `.{cand.form.method}()` cast consumed by {kernels}; no rule rewrites "
                                  f"this cast form.{guard}")
         if not cand.consumers:
             return Decision(HOT, f"full-pool cast; no consumer found in this function.{guard}")
-        return Decision(HOT, f"full-pool cast consumed by {kernels}; no rule rewrites this consumer.{guard}")
+        return Decision(HOT, f"full-pool cast consumed by {kernels}: {needs(cand.consumers, ctx)}.{guard}")
+
+
+def _own_method(c: Consumer) -> bool:
+    """`self.<method>(...)`: a helper of the same class, not a kernel."""
+    f = c.call.func if c.call is not None else None
+    return isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and f.value.value == "self"
+
+
+def needs(consumers, ctx: UnitContext) -> str:
+    """What a rewrite would need, per kind of consumer (one clause each)."""
+    paged, helpers, other = [], [], []
+    for c in consumers:
+        name = describe(c, ctx)
+        kw = "" if _own_method(c) else paged_keyword(c)
+        group = (helpers if _own_method(c) else paged if kw else other)
+        item = f"{name} (`{kw}=`)" if kw else name
+        if item not in group:
+            group.append(item)
+    out = []
+    if paged:
+        out.append(f"{', '.join(paged)} {'takes' if len(paged) == 1 else 'take'} the cache with a page table but no lengths argument kvpatch can bind "
+                   f"(it binds flash_attn_with_kvcache's `cache_seqlens=`, unified_attention's `seqused_k=` and "
+                   f"the signatures of sgl-kernel's flash_mla_* and aiter's paged_attention_ragged): a rewrite "
+                   f"needs the argument that bounds the pages each request reads, proven equal at the cast")
+    if helpers:
+        out.append(f"{', '.join(helpers)} {'is a method' if len(helpers) == 1 else 'are methods'} of this class: "
+                   f"the kernels and the rows they read are inside, not visible at the cast; a rewrite needs the "
+                   f"cast moved next to each kernel, or each kernel's index structure (kv_indices, or a page "
+                   f"table with its lengths) passed up and proven equal at the cast")
+    if other:
+        out.append(f"{', '.join(other)} {'takes' if len(other) == 1 else 'take'} the whole cast pool with no index "
+                   f"structure kvpatch knows (the kv_indices of a planned wrapper, a page table with its lengths, "
+                   f"or a ragged kv_indptr/kv_indices list): a rewrite needs the kernel's row contract")
+    return "; ".join(out)

@@ -24,99 +24,20 @@ from typing import List, Optional, Tuple
 import libcst as cst
 
 from kvpatch.candidates import CastCandidate
-from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, cast_builder, lambda_tuple
+from kvpatch.codegen import RUNTIME_ALIAS, cast_builder, lambda_tuple
 from kvpatch.match import Consumer, UnitContext, consumer_names
-from kvpatch.pagedcall import PAGED_KERNELS, PagedArgs, bind_paged, closure_tables, is_cache_arg, kw, walk
+from kvpatch.pagedcall import (PAGED_KERNELS, RAGGED_KERNELS, RAGGED_LAYOUT, PagedArgs, bind_paged, closure_tables,
+                               is_cache_arg, kernel_name, kw, walk)
 from kvpatch.stable import differs_at
 from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid
 from kvpatch.sites import HOT, UNSUPPORTED
 
+from ._page_table_examples import (AITER_DECODE, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT, UNIFIED, XPU_CAST,
+                                   XPU_CAST_WRAPPED, XPU_DECODE, XPU_PREFILL, _patched, _ragged)
+
+RAGGED = "ragged"  # marks a (kv_indptr, kv_page_indices) pair among the (page_table, lengths) pairs
 ABSORBED_KEYWORD = "qv"  # FA3's absorbed-MLA query half: the call reads the latent cache
-RT = IMPORT_LINE + "\n\n"  # what apply adds at the top of a file with no imports
-
-FA3_DECODE = '''
-class FlashAttentionBackend:
-    def forward_decode(self, q, k, v, layer, forward_batch, q_rope=None):
-        metadata = self.forward_metadata
-        use_cascade_attn = forward_batch.spec_info is not None
-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        k_rope = kv_cache[:, :, layer.v_head_dim :]
-        c_kv = kv_cache[:, :, : layer.v_head_dim]
-        k_rope_cache = k_rope.view(-1, self.page_size, layer.tp_k_head_num, 64)
-        c_kv_cache = c_kv.view(-1, self.page_size, layer.tp_v_head_num, layer.v_head_dim)
-        result = flash_attn_with_kvcache(
-            q=q_rope, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
-            page_table=metadata.page_table, cache_seqlens=metadata.cache_seqlens_int32,
-        )
-        if use_cascade_attn:
-            o_expand = flash_attn_with_kvcache(
-                q=q_rope, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
-                page_table=self.forward_metadata_spec_decode_expand.page_table,
-                cache_seqlens=self.forward_metadata_spec_decode_expand.cache_seqlens_int32,
-            )
-        return result
-'''
-CP_EXTEND = '''
-class FlashAttentionBackend:
-    def forward_extend(self, q, layer, metadata):
-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        k_rope_cache = kv_cache[:, :, 512:].view(-1, self.page_size, 1, 64)
-        c_kv_cache = kv_cache[:, :, :512].view(-1, self.page_size, 1, 512)
-
-        def attn(q_chunk, cache_seqlens_cp):
-            return flash_attn_with_kvcache(q=q_chunk, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q_chunk,
-                                           page_table=metadata.page_table, cache_seqlens=cache_seqlens_cp)
-
-        if self.cp_active:
-            return self.cp_strategy.run_attention(q, attn)
-        return flash_attn_with_kvcache(q=q, k_cache=k_rope_cache, v_cache=c_kv_cache, qv=q,
-                                       page_table=metadata.page_table, cache_seqlens=metadata.cache_seqlens_int32)
-'''
-FA3_PATCHED_CAST = '''        kv_cache = _kvpatch_rt.kv_pages_for_kernel(
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            q.dtype,
-            self.page_size,
-            lambda: (metadata.page_table, metadata.cache_seqlens_int32),
-            lambda: (
-                self.forward_metadata_spec_decode_expand.page_table,
-                self.forward_metadata_spec_decode_expand.cache_seqlens_int32,
-            ),
-        )
-'''
-XPU_DECODE = """
-class XPUAttentionBackend:
-    def forward_decode(self, q, q_rope, layer, metadata):
-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        return flash_mla_decode(q, q_rope, kv_cache.view(-1, self.page_size, layer.head_dim),
-                                metadata.cache_seqlens_int32, metadata.page_table, self.workspace, layer.scaling,
-                                num_kv_splits=1)
-"""
-XPU_PREFILL = """
-class XPUAttentionBackend:
-    def forward_extend(self, q, q_rope, layer, metadata, use_local_attn):
-        if use_local_attn:
-            page_table = metadata.local_attn_metadata.local_block_table
-            cache_seqlens = metadata.local_attn_metadata.local_seqused_k
-        else:
-            page_table = metadata.page_table
-            cache_seqlens = metadata.cache_seqlens_int32
-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(
-            q.dtype
-        )
-        return flash_mla_prefill(q_nope=q, q_pe=q_rope, kv_c_and_k_pe_cache=kv_cache.view(-1, self.page_size, 576),
-                                 cu_seqlens_q=metadata.cu_seqlens_q, seq_lens_k=cache_seqlens, max_seqlen_q=1,
-                                 page_table=page_table, workspace=self.workspace, sm_scale=layer.scaling)
-"""
-XPU_CAST = "self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)"
-XPU_CAST_WRAPPED = "self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(\n            q.dtype\n        )"
-
-
-def _patched(pair: str) -> str:
-    """The XPU examples' cast as apply rewrites it, with one (table, lengths) pair."""
-    return ("_kvpatch_rt.kv_pages_for_kernel(\n            self.token_to_kv_pool.get_key_buffer(layer.layer_id),\n"
-            f"            q.dtype,\n            self.page_size,\n            lambda: ({pair}),\n        )")
-
 
 def _is_minus_one(e: cst.BaseExpression) -> bool:
     return (isinstance(e, cst.UnaryOperation) and isinstance(e.operator, cst.Minus)
@@ -144,7 +65,7 @@ class PageTablePoolCast(Rule):
     SUMMARY = "FA3/FA4/MUSA full-pool KV cast read through page_table -> page-gathered cast"
     KIND = "cast"
     PRIORITY = 20
-    EMITS = ("kv_pages_for_kernel",)
+    EMITS = ("kv_pages_for_kernel", "ragged_pages")
     CHECKED_ON = ("sglang 4ad990ba7 (2026-08-06)", "sglang ea8f4e9f3 (2026-06-26)",
                   "sglang c5251a98a (2026-05-21)", "sglang 0.5.16", "sglang 0.5.23")
 
@@ -264,6 +185,35 @@ class FlashAttentionBackend:
         ),
     )
 
+    INVALID += (
+        Invalid(
+            AITER_DECODE,
+            expected=RT + AITER_DECODE.replace("k_cache.to(self.input_dtype)", _ragged("k_cache"))
+                                      .replace("v_cache.to(self.input_dtype)", _ragged("v_cache")),
+            status="hot",
+            why="aiter MHA decode: paged_attention_ragged reads the pages kv_indices[kv_indptr[b]:kv_indptr[b+1]] "
+                "(FlashInfer's ragged list, block_size 1); each half of the (k, v) pool is cast under a guard",
+        ),
+        Invalid(
+            AITER_DECODE.replace('"NHD"', '"HND"'),
+            status="hot",
+            why="the HND layout puts the block elsewhere than the view's dim 1: not bound, reported",
+        ),
+        Invalid(
+            AITER_DECODE.replace("self.kv_last_page_len,\n                               1,",
+                                 "self.kv_last_page_len,\n                               16,"),
+            status="unsupported",
+            why="the kernel is told blocks of 16 slots but the cache is viewed with pages of 1",
+        ),
+        Invalid(
+            UNIFIED,
+            expected=RT + UNIFIED.replace("k_cache.to(self.input_dtype)", _patched(
+                "self.forward_metadata.page_table, forward_batch.seq_lens", "k_cache", "self.input_dtype").strip()),
+            status="hot",
+            why="aiter's triton unified_attention: k=/v= caches, block_table= and seqused_k= by keyword",
+        ),
+    )
+
     # -- recognise ----------------------------------------------------------
     def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
         func = call.func
@@ -335,6 +285,10 @@ class FlashAttentionBackend:
                 return "", (f"no `.view(-1, page_size, ...)` or `paged_view(x, page_size)` between the cast and "
                             f"`{ctx.code(c.call.func)}`: the size of the pages it reads is not visible")
             sizes[ctx.code(node)] = node
+            told = bind_paged(c.call).block_size
+            if told is not None and ctx.code(told) != ctx.code(node):
+                return "", (f"`{ctx.code(c.call.func)}` is told pages of `{ctx.code(told)}` slots but the cache is "
+                            f"viewed with pages of `{ctx.code(node)}`")
         if len(sizes) != 1:
             return "", f"the caches are viewed with different page sizes ({', '.join(sorted(sizes))})"
         (code, node), = sizes.items()
@@ -353,27 +307,40 @@ class FlashAttentionBackend:
                 if problem:
                     return [], problem
             pair = (ctx.code(got.table), ctx.code(got.seqlens))
+            if got.block_size is not None:  # a ragged list: (kv_indptr, kv_page_indices) -> one table
+                pair = (RAGGED, ctx.code(got.seqlens), ctx.code(got.table))
             if pair not in pairs:
                 pairs.append(pair)
         return pairs, ""
 
     @staticmethod
     def _builder(cand: CastCandidate, ctx: UnitContext, ps: str, pairs: List[Tuple[str, str]]):
+        def table(p, lay):
+            if len(p) == 3:  # (RAGGED, kv_indptr, kv_page_indices)
+                return f"lambda: {RUNTIME_ALIAS}.{PageTablePoolCast.EMITS[1]}({p[1]}, {p[2]}, {ps})"
+            return lambda_tuple(p, lay)
+
         return cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{PageTablePoolCast.EMITS[0]}",
-                            after=lambda lay: [ps] + [lambda_tuple(p, lay) for p in pairs], explode=True)
+                            after=lambda lay: [ps] + [table(p, lay) for p in pairs], explode=True)
 
 
 def _positional_pages(cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
     """Why a kernel that takes a page table positionally, and whose signature is not
     among the known paged kernels (kvpatch.pagedcall.PAGED_KERNELS), keeps its cast."""
+    guard = f" {cand.guard_note}." if cand.guard_note else ""
     for c in cand.consumers:
+        if c.kind == "call" and c.call is not None and kernel_name(c.call) in RAGGED_KERNELS:
+            return Decision(HOT, f"full-pool cast consumed by {consumer_names([c], ctx)}, whose call does not bind "
+                                 f"to its known signature (a `*`/`**` argument, a keyword it does not take, or a "
+                                 f"cache layout other than `{RAGGED_LAYOUT[1]}`, whose block is not the view's "
+                                 f"dim 1): a rewrite needs its kv_indptr, kv_page_indices and block size "
+                                 f"found by position.{guard}")
         if c.kind != "call" or c.call is None or c.keyword is not None:
             continue
         table = next((a.value for a in c.call.args if a.keyword is None
                       and ctx.code(a.value).endswith(PAGED_KEYWORDS)), None)
         if table is None:
             continue
-        guard = f" {cand.guard_note}." if cand.guard_note else ""
         return Decision(HOT, f"full-pool cast consumed by {consumer_names([c], ctx)}, which takes the paged cache "
                              f"and `{ctx.code(table)}` by position, and whose signature is not one KVP103 knows "
                              f"({', '.join(sorted(PAGED_KERNELS))}), or the call does not bind to it: a rewrite "

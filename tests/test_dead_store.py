@@ -52,3 +52,14 @@ def test_dead_cast_is_hot_and_named_a_dead_store(name):
 ])
 def test_a_cast_read_on_some_path_is_not_dead(body):
     assert "dead store" not in _site(body).reason
+
+
+def test_a_cast_reaching_helper_methods_names_them_and_what_a_rewrite_needs():
+    """NSA's shape: the cast goes to this class's own helpers (one with page_table=), and to
+    a function with no index structure; the reason names each and what a rewrite needs."""
+    site = _site(f"kv = {CAST}\nif q is None:\n    return self._forward_fa3(q, kv, page_table=forward_batch.pt)\n"
+                 "return dequantize_k_cache_paged(kv)")
+    assert site.status == HOT and not site.fixable
+    assert "`self._forward_fa3` is a method of this class" in site.reason, site.reason
+    assert "`dequantize_k_cache_paged` takes the whole cast pool" in site.reason, site.reason
+    assert "no rule rewrites this consumer" not in site.reason

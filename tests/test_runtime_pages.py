@@ -172,3 +172,39 @@ def test_lambdas_are_read_at_the_cast_and_a_missing_metadata_is_a_call_that_does
                                  lambda: (b.forward_metadata_spec_decode_expand.page_table,
                                           b.forward_metadata_spec_decode_expand.cache_seqlens_int32))
     assert torch.equal(bits(out[[5, 6]]), bits(kv.to(BF16)[[5, 6]]))
+
+
+def ragged_oracle(indptr, indices, batch, ps):
+    """The pages a ragged-list kernel reads (requests 0..batch-1), as one table row and its length in slots."""
+    pages = [int(indices[j]) for b in range(batch) for j in range(int(indptr[b]), int(indptr[b + 1]))]
+    return torch.tensor([pages], dtype=torch.int64), torch.tensor([len(pages) * ps], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_ragged_page_list_reads_exactly_the_listed_pages(rt, ps):
+    """aiter's paged_attention_ragged: request b reads kv_indices[kv_indptr[b]:kv_indptr[b+1]].
+    Stale entries past the last request's end are not cast; pages shared between requests are."""
+    pages = 50
+    kv = fp8_pool(pages * ps, seed=6 + ps)
+    indptr = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    indices = torch.tensor([4, 9, 2, 9, 4, 30, 41, 13, 17, 0, 0], dtype=torch.int32)  # shared 4, 9; stale tail
+    first = rt.kv_pages_for_kernel(kv, BF16, ps, lambda: rt.ragged_pages(indptr, indices, ps))
+    rt.poison_shadows()
+    out = rt.kv_pages_for_kernel(kv, BF16, ps, lambda: rt.ragged_pages(indptr, indices, ps))
+    assert out is first
+    want = read_slots([ragged_oracle(indptr, indices, 3, ps)], ps, pages)
+    mask = torch.zeros(kv.shape[0], dtype=torch.bool)
+    mask[want] = True
+    assert torch.equal(bits(out[mask]), bits(kv.to(BF16)[mask]))
+    assert bool(torch.isnan(out[~mask].float()).all()), "a page past the list's end was cast"
+
+
+def test_ragged_stale_indptr_tail_casts_a_superset_never_less(rt):
+    """A graph-sized indptr buffer with a stale tail: the max covers every live page."""
+    kv = fp8_pool(40, seed=8)
+    indptr = torch.tensor([0, 2, 5, 3, 1], dtype=torch.int32)  # two requests live; tail entries stale
+    indices = torch.tensor([11, 12, 13, 14, 15, 16, 17], dtype=torch.int32)
+    out = rt.kv_pages_for_kernel(kv, BF16, 1, lambda: rt.ragged_pages(indptr, indices, 1))
+    live = [11, 12, 13, 14, 15]
+    assert torch.equal(bits(out[live]), bits(kv.to(BF16)[live]))
+    assert rt.ragged_pages(None, indices, 1) == (None, None)

@@ -26,6 +26,7 @@ __all__ = [
     "plan_rows",
     "kv_for_kernel",
     "kv_pages_for_kernel",
+    "ragged_pages",
     "run_kwargs",
     "gather_cast",
     "page_cast",
@@ -796,6 +797,21 @@ def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
     for pt, sl in live:
         page_cast(kv_buffer, shadow, pt, sl, ps)
     return shadow
+
+
+def ragged_pages(kv_indptr, kv_indices, page_size):
+    """A ragged page list as one (page_table, cache_seqlens) pair for kv_pages_for_kernel.
+
+    A kernel handed (kv_indptr, kv_indices) reads, for request b, the pages
+    kv_indices[kv_indptr[b]:kv_indptr[b + 1]]; their union lies within
+    kv_indices[:max(kv_indptr)]: one table row of that many pages (page_size slots each).
+    The count is read on the device (no host sync, static shapes); where the indptr
+    buffer holds stale entries past the batch, the max covers them too (a superset).
+    """
+    if kv_indptr is None or kv_indices is None:
+        return (None, None)
+    count = kv_indptr.reshape(-1).amax(0, keepdim=True)
+    return kv_indices.reshape(1, -1), count * int(page_size)
 
 
 def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", config=None):
