@@ -358,7 +358,7 @@ def test_audit_finds_the_flashinfer_mla_sites(checkout):
         ("forward_extend", "prefill"), ("forward_decode", "decode")}
     for s in sites:
         assert (s["status"], s["rule"], s["fixable"]) == ("hot", "KVP101", True), s
-        assert s["kernel"].endswith(".run`"), s
+        assert s["kernel"].endswith(".run"), s
     for p in plans:
         assert (p["status"], p["rule"], p["fixable"]) == ("rewrite", "KVP102", True), p
     assert {p["causal"] for p in plans} == {"False", "True"}
