@@ -56,11 +56,15 @@ def rules_cmd(out: Out, as_json):
 def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     """Check that the patched checkout computes the same attention.
 
-    Loads PATH's own patched FlashInfer MLA backend and its original (from
-    .kvpatch/originals or git), runs forward_decode and the paged
-    forward_extend of both on the same random FP8 pool, eager and under a
-    CUDA graph, and compares: bit-identical for the gathered cast, within
-    tolerance for native FP8. Needs torch (pip install torch; see the README's Installing).
+    Loads every patched backend of PATH (FlashInfer MLA; FA3/FA4, MUSA and
+    XPU) and its original (from .kvpatch/originals or git), runs their
+    forward_decode and forward_extend on the same random FP8 pool, eager and
+    under a CUDA graph, and compares: bit-identical for the gathered cast,
+    within tolerance for native FP8. FlashInfer runs its own kernels; the
+    FA3-family and flash_mla kernels, which need sgl-kernel, run as a torch
+    reference with their semantics on both sides. A path that cannot run is
+    reported as skipped with the reason, never as passed. Needs torch
+    (pip install torch; see the README's Installing).
 
     \b
     Example:  kvpatch verify ~/sglang --mode gather
