@@ -183,7 +183,6 @@ def sarif_document(rules: List[Dict], results: List[Dict], notifications: List[D
     run = {
         "tool": {"driver": {
             "name": "kvpatch", "version": __version__, "semanticVersion": __version__,
-            "informationUri": "https://github.com/kvpatch/kvpatch",
             "rules": rules,
         }},
         "originalUriBaseIds": {"SRCROOT": {"uri": root.as_uri() + "/"}},
