@@ -646,3 +646,31 @@ def test_real_against_itself_is_unchanged():
     doc = upgrade_json(root, "--against", "HEAD")
     assert {e["category"] for e in doc["sites"] + doc["plan_calls"]} == {"unchanged"}
     assert doc["exit_code"] == 0
+
+
+def test_changed_plan_call_shows_the_argument_that_changed(tmp_path):
+    """A long plan call whose 12th argument changed: the -/+ lines show that argument,
+    not the first 150 characters of the call, which are the same on both sides."""
+    plan = '''        wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, self.num_local_heads, self.kv_lora_rank,
+                     self.qk_rope_head_dim, self.page_size, False, sm_scale, self.q_data_type, {})'''
+    old_src = FI_SRC.replace('''        wrapper.plan(q_indptr, kv_indptr, kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale,
+                     self.data_type, self.data_type)''', plan.format("self.data_type"))
+    assert old_src != FI_SRC
+    old, new = pair(tmp_path, {FI: old_src.replace("self.q_data_type, self.data_type)",
+                                                   "self.q_data_type, self.kv_cache_dtype)")},
+                    old_files={FI: old_src, TORCH: TORCH_SRC})
+    r = run("--color", "never", "audit", old, new)
+    lines = [ln.strip() for ln in r.output.splitlines()]
+    assert "- wrapper.plan(..., self.data_type)" in lines, r.output
+    assert "+ wrapper.plan(..., self.kv_cache_dtype)" in lines, r.output
+
+
+def test_changed_pair_keeps_short_statements_whole_and_cuts_long_ones_to_whole_arguments():
+    from kvpatch.upgrade.render import changed_pair
+    assert changed_pair("x = f(a)", "x = f(b)") == ("x = f(a)", "x = f(b)")
+    args = ", ".join(f"argument_{i}" for i in range(20))
+    old = f"out = kernel({args}, flag=True)"
+    new = old.replace("argument_13,", "argument_13[:n],")
+    assert changed_pair(old, new) == ("out = kernel(..., argument_13, ...)", "out = kernel(..., argument_13[:n], ...)")
+    nested = old.replace("argument_5,", "f(g(argument_5), h),")
+    assert changed_pair(old, nested) == ("out = kernel(..., argument_5, ...)", "out = kernel(..., f(g(argument_5), h), ...)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 import textwrap
-from typing import List
+from typing import List, Tuple
 from kvpatch.upgrade.model import patch_summary, CHANGED, FIXED, MOVED, NEW, PLAN_CATEGORIES, REMOVED, REPLACED, SITE_CATEGORIES, UNCHANGED, UNMATCHED, Upgrade
 from kvpatch.upgrade.pairing import _one
 
@@ -22,19 +22,84 @@ def _short(text: str, width: int = 120) -> str:
     return t if len(t) <= width else t[: width - 3] + "..."
 
 
-def _first(stmt: str, width: int = 150) -> List[str]:
+def _one_line(stmt: str) -> str:
     """A statement on one line, without its comments (ast.unparse when it parses)."""
-    text = ""
     for candidate in (stmt, textwrap.dedent(stmt)):
         try:
-            text = " ".join(ln.strip() for ln in ast.unparse(ast.parse(candidate)).splitlines())
-            break
+            return " ".join(ln.strip() for ln in ast.unparse(ast.parse(candidate)).splitlines())
         except (SyntaxError, ValueError):
             continue
-    if not text:
-        lines = [ln for ln in stmt.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-        text = " ".join(ln.strip() for ln in lines)
-    return [text if len(text) <= width else text[: width - 3] + "..."]
+    lines = [ln for ln in stmt.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return " ".join(ln.strip() for ln in lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _first(stmt: str, width: int = 150) -> List[str]:
+    return [_clip(_one_line(stmt), width)]
+
+
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def _arg_start(text: str, i: int) -> int:
+    """Where the argument holding text[i] starts: after the ', ' or bracket before it."""
+    depth = 0
+    for j in range(i - 1, -1, -1):
+        c = text[j]
+        if c in _CLOSE:
+            depth += 1
+        elif c in _OPEN:
+            if depth == 0:
+                return j + 1
+            depth -= 1
+        elif c == "," and depth == 0:
+            return j + 2 if text[j + 1:j + 2] == " " else j + 1
+    return 0
+
+
+def _arg_end(text: str, i: int) -> int:
+    """Where the argument holding text[i - 1] ends: at the ',' or bracket after it."""
+    depth = 0
+    for j in range(i, len(text)):
+        c = text[j]
+        if c in _OPEN:
+            depth += 1
+        elif c in _CLOSE:
+            if depth == 0:
+                return j
+            depth -= 1
+        elif c == "," and depth == 0:
+            return j
+    return len(text)
+
+
+def changed_pair(old_stmt: str, new_stmt: str, width: int = 150) -> Tuple[str, str]:
+    """The old and new statement on one line each. Where either is too long, both are cut
+    to the arguments that differ (whole arguments, '...' for what is left out), so a
+    change past the first `width` characters still shows."""
+    a, b = _one_line(old_stmt), _one_line(new_stmt)
+    if len(a) <= width and len(b) <= width:
+        return a, b
+    pre = 0
+    while pre < min(len(a), len(b)) and a[pre] == b[pre]:
+        pre += 1
+    suf = 0
+    while suf < min(len(a), len(b)) - pre and a[-1 - suf] == b[-1 - suf]:
+        suf += 1
+    start = min(_arg_start(a, pre), _arg_start(b, pre))
+
+    call = a.find("(") + 1  # the callee stays in view: `wrapper.plan(... changed ...)`
+    head = a[:call] if 0 < call <= start and a[:call] == b[:call] else ""
+
+    def window(t: str) -> str:
+        end = _arg_end(t, max(len(t) - suf, start))
+        left = head + ("..., " if start > len(head) else "")
+        right = ", ...)" if end < len(t) - 1 else t[end:]
+        return left + _clip(t[start:end], width) + right
+    return window(a), window(b)
 
 
 def render(up: Upgrade, style, verbose: int = 0) -> str:
@@ -56,8 +121,9 @@ def render(up: Upgrade, style, verbose: int = 0) -> str:
                        f"[{status}{', ' + r.rule if r.rule else ''}{fix}]{flag}")
             out.append(f"  {'':14} {_one(e.why) if verbose else _short(e.why, 240)}")
             if e.category == CHANGED and e.old is not None and e.new is not None:
-                out.append(f"  {'':14} - {_first(e.old.statement)[0]}")
-                out.append(f"  {'':14} + {_first(e.new.statement)[0]}")
+                minus, plus = changed_pair(e.old.statement, e.new.statement)
+                out.append(f"  {'':14} - {minus}")
+                out.append(f"  {'':14} + {plus}")
             elif e.category in (NEW, MOVED) and verbose and e.new is not None:
                 out.append(f"  {'':14}   {_first(e.new.statement)[0]}")
             if e.function is not None and (e.function.file, e.function.qualname) not in shown_fn:
