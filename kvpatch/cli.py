@@ -8,6 +8,7 @@ GPU check not run (verify), 4 interrupted apply (status).
 
 from __future__ import annotations
 
+import os
 import shutil
 import traceback
 import sys
@@ -18,7 +19,7 @@ import click
 
 from kvpatch import __version__
 from kvpatch.cli_out import CLEAR_LINE, CONTEXT, Out, _check_rules, _root, _rules_opt, _split  # noqa: F401
-from kvpatch.exitcodes import EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
+from kvpatch.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
 
 
 class _Main(click.Group):
@@ -30,6 +31,10 @@ class _Main(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
             raise
+        except BrokenPipeError:  # `kvpatch ... | head`: the reader is gone; say nothing more
+            # Point stdout at /dev/null so the interpreter's flush at exit cannot raise again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(EXIT_BROKEN_PIPE)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM raised as one by the writer
             click.echo("Error: interrupted", err=True)
             ctx.exit(EXIT_USER_INTERRUPT)
@@ -182,8 +187,8 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     if dry_run:  # the counts first, then the diff; a runtime file is one line unless --runtime-diff
         _apply_counts(out, built, written=False)
         diff = built.diff(color=out.color_out, runtimes=runtime_diff)
-        if diff:
-            out.echo(diff.rstrip("\n"))
+        for line in diff.rstrip("\n").split("\n") if diff else ():
+            out.echo(line)  # line by line: a reader that stops early (`| head`) is noticed at once
         if not runtime_diff:
             for rt in built.runtimes:
                 what, n_lines = ("added" if rt.old is None else "updated"), len(rt.data.splitlines())
@@ -304,19 +309,23 @@ def _recover(out: Out, root: Path, dry_run: bool, write, refusals) -> None:
     if j is None:
         stale = write.stale_scratch(root)
         if stale:
-            out.echo(("would remove" if dry_run else "removed") + " the scratch of a killed write: " + ", ".join(stale))
             if not dry_run:
                 write.clear_stale(root)
+            out.echo(("would remove" if dry_run else "removed") + " the scratch of a killed write: " + ", ".join(stale))
         out.echo("nothing to recover")
         out.info("kvpatch recover: nothing to do")
         sys.exit(EXIT_OK)
     try:
         steps = write.plan_rollback(root, j)
-        for s in steps:
-            out.echo(("would " if dry_run else "") + s)
-        if dry_run:
-            out.info(f"kvpatch recover --dry-run: {len(steps)} step(s); nothing changed")
-            sys.exit(EXIT_OK)
+    except (*refusals, OSError) as exc:
+        out.error(f"refusing to recover, nothing was touched: {exc}")
+        sys.exit(EXIT_ERROR)
+    for s in steps:  # outside the try: a closed output pipe is not a refusal
+        out.echo(("would " if dry_run else "") + s)
+    if dry_run:
+        out.info(f"kvpatch recover --dry-run: {len(steps)} step(s); nothing changed")
+        sys.exit(EXIT_OK)
+    try:
         restored = write.rollback(root)
     except (*refusals, OSError) as exc:
         out.error(f"refusing to recover, nothing was touched: {exc}")

@@ -30,7 +30,10 @@ class Out:
             self.color_err = sys.stderr.isatty()
 
     def style(self, text: str, **kw) -> str:
-        return click.style(text, **kw) if self.color_out else text
+        if not self.color_out:
+            return text
+        # Line by line: a colour never stays open across a newline (`--color always | head`).
+        return "\n".join(click.style(ln, **kw) if ln else ln for ln in text.split("\n"))
 
     def echo(self, text: str = "", nl: bool = True) -> None:
         click.echo(text, nl=nl, color=self.color_out)

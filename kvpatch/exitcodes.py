@@ -13,6 +13,7 @@ EXIT_NO_GPU = 3  # verify: the CPU check passed, the GPU one could not run
 EXIT_INTERRUPTED = 4  # status: an interrupted write is pending, or one is in progress
 EXIT_PARTIAL = 5  # apply: the files that are safe were written; the others (named) were skipped
 EXIT_USER_INTERRUPT = 130  # Ctrl-C or SIGTERM: everything was rolled back
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `git log | head`: the reader left early
 
 # command -> {code: meaning}: what each command's --help and the README say.
 WHAT = {
@@ -41,6 +42,8 @@ WHAT = {
 }
 for _read_only in ("audit", "status", "verify", "rules", "test"):
     WHAT[_read_only][EXIT_USER_INTERRUPT] = "interrupted (nothing is written)"
+for _cmd in WHAT:  # nothing prints while files are being written: a write is done or not begun
+    WHAT[_cmd][EXIT_BROKEN_PIPE] = "output cut short: its reader (`head`, say) closed the pipe"
 
 
 def markdown_table() -> str:

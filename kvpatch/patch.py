@@ -90,14 +90,17 @@ def colorize_diff(text: str) -> str:
 
     out = []
     for ln in text.splitlines(True):
+        body = ln.rstrip("\r\n")
+        end = ln[len(body):]  # styled without its newline: each line resets its own colour,
+        # so `| head` cutting after any line leaves the terminal plain
         if ln.startswith(("+++", "---")):
-            out.append(click.style(ln, bold=True))
+            out.append(click.style(body, bold=True) + end)
         elif ln.startswith("@@"):
-            out.append(click.style(ln, fg="cyan"))
+            out.append(click.style(body, fg="cyan") + end)
         elif ln.startswith("+"):
-            out.append(click.style(ln, fg="green"))
+            out.append(click.style(body, fg="green") + end)
         elif ln.startswith("-"):
-            out.append(click.style(ln, fg="red"))
+            out.append(click.style(body, fg="red") + end)
         else:
             out.append(ln)
     return "".join(out)

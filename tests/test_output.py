@@ -4,6 +4,7 @@ a progress line that does not stay on screen."""
 from __future__ import annotations
 
 import io
+import shutil
 
 from click.testing import CliRunner
 
@@ -75,3 +76,44 @@ def test_audit_takes_v_where_it_takes_q(example):
     statement = "k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)"
     assert statement in verbose.output and statement not in plain.output
     assert run("-v", "audit", example).output.splitlines()[:-1] == verbose.output.splitlines()[:-1]  # but the time
+
+
+ESC = "\x1b["
+
+
+def _head(args, lines: int, cwd):
+    """`kvpatch ARGS | head -LINES`: read LINES lines, then close the pipe as head does."""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "kvpatch", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "100"})
+    got = [p.stdout.readline().decode() for _ in range(lines)]
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    return p.wait(timeout=120), got, err
+
+
+def test_color_always_into_head_leaves_the_terminal_clean(tmp_path, example):
+    """`kvpatch --color always apply --dry-run | head`: every line head shows closes the
+    colours it opens, and the cut pipe ends kvpatch quietly with 141, not a crash (2)."""
+    from kvpatch.exitcodes import EXIT_BROKEN_PIPE
+
+    attention = example / "python/sglang/srt/layers/attention"
+    for i in range(6):  # six backend folders, six runtime diffs: more than a pipe buffer (64 KiB)
+        shutil.copytree(attention, attention.parent / f"attention{i}")  # holds, so the writer meets the cut
+    rc, lines, err = _head(["--color", "always", "apply", "--dry-run", "--runtime-diff", example], 40, tmp_path)
+    assert rc == EXIT_BROKEN_PIPE, (rc, err)
+    assert "crashed" not in err and "Traceback" not in err and "Broken pipe" not in err, err
+    coloured = [ln for ln in lines if ESC in ln]
+    assert len(coloured) >= 5, lines
+    for ln in coloured:
+        assert ln.rstrip("\n").endswith(ESC + "0m"), repr(ln)
+
+
+def test_a_styled_block_closes_its_colour_on_every_line():
+    out = Out(color="always", quiet=False, verbose=0)
+    text = out.style("first line\nsecond line\n", fg="red")
+    assert all(ln.endswith(ESC + "0m") for ln in text.split("\n") if ln), repr(text)
+    assert text.endswith("\n")
