@@ -111,6 +111,20 @@ def test_fixture_patch_passes(tmp_path):
     assert all(c.kernel == "reference-fa3" and c.tolerance.startswith("bit-identical") for c in cases)
 
 
+def test_pool_read_from_the_forward_batch_verifies(tmp_path):
+    """Before 2025-09 (3cc3d9b95, eae59b337) FA3 read the pool as
+    `forward_batch.token_to_kv_pool`: the harness's batch carries the pool, so those
+    commits are compared, not skipped with 'the original raised'."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURE, src)
+    f = src / "python" / FA3_REL
+    f.write_text(f.read_text().replace("self.token_to_kv_pool.get_key_buffer", "forward_batch.token_to_kv_pool.get_key_buffer"))
+    assert "forward_batch.token_to_kv_pool.get_key_buffer" in f.read_text()
+    r = run_verify(_apply(src), device="cpu", quick=True)
+    assert r.ok, r.format()
+    assert {c.qualname for c in fa3_cases(r) if c.passed} == FA3_SITES, r.format()
+
+
 def test_unpatched_cast_is_caught(tmp_path):
     root = fixture_checkout(tmp_path)
     f = root / "python" / FA3_REL

@@ -134,7 +134,9 @@ class FA3Side:
                       logit_cap=0.0, sliding_window_size=None, is_cross_attention=False, use_irope=False)
         fb = ForwardBatch(forward_mode=Mode(kind), batch_size=len(case.lens),
                           spec_info=object() if (kind == DECODE and case.expand is not None) else None,
-                          attn_attend_prefix_cache=None, attn_cp_metadata=None, mha_return_lse=False)
+                          attn_attend_prefix_cache=None, attn_cp_metadata=None, mha_return_lse=False,
+                          # before 2025-09 the FA3 backend read the pool from the batch, not from self
+                          token_to_kv_pool=b.token_to_kv_pool)
         name = "forward_decode" if kind == DECODE else "forward_extend"
         if not callable(getattr(type(b), name, None)):
             raise HarnessError(f"{self.cls_name} has no {name}")
