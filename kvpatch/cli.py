@@ -19,6 +19,7 @@ import click
 
 from kvpatch import __version__
 from kvpatch.cli_out import CLEAR_LINE, CONTEXT, Out, _check_rules, _root, _rules_opt, _split  # noqa: F401
+from kvpatch.cli_out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
 from kvpatch.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
 
 
@@ -110,7 +111,8 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
     if quiet:
         out.quiet = True
     out.verbose += verbose
-    select = _split(rules)
+    cfg = _settings(path, out, rules=rules, jobs=jobs)  # options over pyproject.toml's [tool.kvpatch]
+    select, jobs, excluded = cfg.rules.value, cfg.jobs.value, cfg.excluder(Path(path))
     rule_objs = _check_rules(select, out)
     root = _root(path, out)
     if new_path or against:
@@ -124,10 +126,10 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
         from kvpatch.patch import build
         from kvpatch.sarif_fixes import fixes_by_site
 
-        built = build(root, select, jobs, out.progress())
+        built = build(root, select, jobs, out.progress(), excluded)
         scan, fixes = built.scan, fixes_by_site(built)
     else:
-        scan, fixes = scan_tree(root, select, jobs, out.progress()), {}
+        scan, fixes = scan_tree(root, select, jobs, out.progress(), excluded), {}
     if as_json:
         text = report.to_json(scan)
     elif as_sarif:
@@ -152,7 +154,8 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 @click.option("-n", "--dry-run", is_flag=True, help="Print the exact diff and counts; write nothing.")
 @click.option("--runtime-diff", is_flag=True, help="With --dry-run: also the runtime module's diff (one line by default).")
 @click.option("--allow-dirty", is_flag=True, help="Patch a git tree that has uncommitted changes.")
-@click.option("--no-commit", is_flag=True, help="Write the files only: no kvpatch/<...> branch, no commit.")
+@click.option("--no-commit/--commit", "no_commit", default=None,
+              help="Write the files only: no kvpatch/<...> branch, no commit (--commit: override the config's).")
 @click.option("--no-verify", is_flag=True, help="Commit without running git's pre-commit and commit-msg hooks.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
 @_rules_opt
@@ -171,7 +174,8 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     from kvpatch import patch as P
     from kvpatch import report
 
-    select = _split(rules)
+    cfg = _settings(path, out, rules=rules, jobs=jobs, no_commit=no_commit)  # options over [tool.kvpatch]
+    select, jobs, no_commit = cfg.rules.value, cfg.jobs.value, not cfg.commit.value
     _check_rules(select, out)
     root = _root(path, out)
     if root.is_file():
@@ -179,7 +183,7 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
         sys.exit(EXIT_ERROR)
     t0 = time.perf_counter()
     try:
-        built = P.build(root, select, jobs, out.progress())
+        built = P.build(root, select, jobs, out.progress(), cfg.excluder(root))
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback
         out.error(f"{exc}")
         sys.exit(EXIT_ERROR)
@@ -350,10 +354,11 @@ def status(out: Out, path, as_json):
 
     from kvpatch import status as S
 
+    excluded = _settings(path, out).excluder(Path(path))  # [tool.kvpatch]'s exclude, as audit and apply
     root = _root(path, out)
     t0 = time.perf_counter()
     try:
-        st = S.status(root)
+        st = S.status(root, excluded=excluded)
     except ValueError as exc:
         out.error(str(exc))
         sys.exit(EXIT_ERROR)
@@ -373,10 +378,10 @@ if __name__ == "__main__":  # pragma: no cover
     main()
 
 
-from kvpatch.cli_info import rules_cmd, verify  # noqa: E402 - registered after main exists
+from kvpatch.cli_info import config_cmd, rules_cmd, verify  # noqa: E402 - registered after main exists
 from kvpatch.cli_test import test_cmd  # noqa: E402
 
-for _sub in (rules_cmd, verify, test_cmd):
+for _sub in (rules_cmd, verify, test_cmd, config_cmd):
     main.add_command(_sub)
 for _cmd in main.commands.values():
     _exit_help(_cmd)

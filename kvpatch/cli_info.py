@@ -1,5 +1,5 @@
-"""`kvpatch rules` and `kvpatch verify`: the commands that read no checkout
-state to change it (registered on the group in kvpatch/cli.py)."""
+"""`kvpatch rules`, `kvpatch config` and `kvpatch verify`: the commands that read
+no checkout state to change it (registered on the group in kvpatch/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import click
 
-from kvpatch.cli_out import CONTEXT, Out, _root
+from kvpatch.cli_out import CONTEXT, Out, _root, _settings
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK
 
 # -- rules -------------------------------------------------------------------
@@ -40,6 +40,37 @@ def rules_cmd(out: Out, as_json):
                  f"checked on {len(r.CHECKED_ON)} SGLang commits")
     n_fix = sum(1 for r in rs if r.fixes)
     out.info(f"kvpatch rules: {len(rs)} rule(s), {n_fix} rewrite, {len(rs) - n_fix} report only")
+    sys.exit(EXIT_OK)
+
+
+# -- config ------------------------------------------------------------------
+@click.command(name="config", context_settings=CONTEXT)
+@click.argument("path", default=".", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="JSON output: [{setting, value, source}].")
+@click.pass_obj
+def config_cmd(out: Out, path, as_json):
+    """Show the settings audit and apply use on PATH, and where each comes from.
+
+    The config is the [tool.kvpatch] table of the first pyproject.toml found
+    walking up from PATH (default: the current folder); command-line options
+    override it. Each setting's source is that file and key, an environment
+    variable, or `default`.
+
+    \b
+    Example:  kvpatch config ~/sglang
+    """
+    import json
+
+    from kvpatch.config import rows
+
+    found = rows(_settings(path, out))
+    if as_json:
+        out.echo(json.dumps([{"setting": k, "value": v, "source": s} for k, v, s in found], indent=2))
+        sys.exit(EXIT_OK)
+    width = max(len(k) for k, _, _ in found) + 2
+    vwidth = min(max(len(v) for _, v, _ in found), 40)
+    for key, value, source in found:
+        out.echo(f"{out.style(key.ljust(width), bold=True)}{value.ljust(vwidth)}  {source}")
     sys.exit(EXIT_OK)
 
 

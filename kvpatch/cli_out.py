@@ -97,3 +97,36 @@ def _check_rules(rules, out: Out):
     except KeyError as exc:
         out.error(exc.args[0])
         sys.exit(EXIT_ERROR)
+
+
+def _settings(path: str, out: Out, *, rules: Optional[str] = None, jobs: Optional[int] = None,
+              no_commit: Optional[bool] = None):
+    """The command's settings: its options over pyproject.toml's [tool.kvpatch]
+    (kvpatch/config.py) over the defaults. Loads the config's rules-path for this
+    command only; a bad config or rule selection is one error line, exit 2."""
+    from kvpatch import config
+    from kvpatch.rule import RULES_PATH_ENV, load_rules
+
+    try:
+        cfg = config.load(Path(path), rules=_split(rules), jobs=jobs,
+                          commit=None if no_commit is None else not no_commit)
+    except config.ConfigError as exc:
+        out.error(str(exc))
+        sys.exit(EXIT_ERROR)
+    if cfg.rules_path:
+        before = os.environ.get(RULES_PATH_ENV)
+        os.environ[RULES_PATH_ENV] = cfg.rules_path_env()
+
+        def restore() -> None:
+            if before is None:
+                os.environ.pop(RULES_PATH_ENV, None)
+            else:
+                os.environ[RULES_PATH_ENV] = before
+
+        click.get_current_context().call_on_close(restore)
+    try:
+        load_rules(cfg.rules.value)
+    except KeyError as exc:  # an unknown rule: say whether the option or the config named it
+        out.error(exc.args[0] if cfg.rules.source == "--rules" else f"{cfg.rules.source}: {exc.args[0]}")
+        sys.exit(EXIT_ERROR)
+    return cfg

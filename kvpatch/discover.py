@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 from kvpatch import checkout
 from kvpatch.names import CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
@@ -47,9 +47,16 @@ class ReadError:
     message: str
 
 
-def iter_python_paths(root: Path) -> Iterator[Path]:
+def iter_python_paths(root: Path, excluded: Optional[Callable[[str], bool]] = None) -> Iterator[Path]:
     """Every ``*.py`` under root, in a stable order, not following dir symlinks;
-    in a git checkout, those git lists (an ignored build copy is not scanned)."""
+    in a git checkout, those git lists (an ignored build copy is not scanned).
+    `excluded` (config's ``exclude``) drops a path, given relative to root."""
+    for path in _python_paths(root):
+        if excluded is None or not excluded(rel_path(root, path)):
+            yield path
+
+
+def _python_paths(root: Path) -> Iterator[Path]:
     if root.is_file():
         yield root
         return

@@ -356,10 +356,11 @@ def _die_with_parent() -> None:
 
 
 def scan_tree(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
-              progress: Optional[Callable[[int, int], None]] = None) -> ScanResult:
+              progress: Optional[Callable[[int, int], None]] = None,
+              excluded: Optional[Callable[[str], bool]] = None) -> ScanResult:
     t0 = time.perf_counter()
     root = root.resolve()
-    paths = list(discover.iter_python_paths(root))
+    paths = list(discover.iter_python_paths(root, excluded))
     load_rules(select)  # fail fast on an unknown rule name
     jobs = jobs or min(2, os.cpu_count() or 1)
     if len(paths) < 200:

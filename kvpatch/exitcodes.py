@@ -39,8 +39,9 @@ WHAT = {
                EXIT_ERROR: "error", EXIT_NO_GPU: "no GPU: only the CPU check ran"},
     "rules": {EXIT_OK: "listed", EXIT_ERROR: "error"},
     "test": {EXIT_OK: "every example holds", EXIT_ACTION: "an example failed", EXIT_ERROR: "error"},
+    "config": {EXIT_OK: "shown", EXIT_ERROR: "a bad config (file and key named)"},
 }
-for _read_only in ("audit", "status", "verify", "rules", "test"):
+for _read_only in ("audit", "status", "verify", "rules", "test", "config"):
     WHAT[_read_only][EXIT_USER_INTERRUPT] = "interrupted (nothing is written)"
 for _cmd in WHAT:  # nothing prints while files are being written: a write is done or not begun
     WHAT[_cmd][EXIT_BROKEN_PIPE] = "output cut short: its reader (`head`, say) closed the pipe"

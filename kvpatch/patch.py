@@ -107,9 +107,10 @@ def colorize_diff(text: str) -> str:
 
 
 def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
-          progress: Optional[Callable[[int, int], None]] = None) -> Patch:
+          progress: Optional[Callable[[int, int], None]] = None,
+          excluded: Optional[Callable[[str], bool]] = None) -> Patch:
     rules = load_rules(select)
-    scan = scan_tree(root, select, jobs, progress)
+    scan = scan_tree(root, select, jobs, progress, excluded)
     patch = Patch(scan.root, scan)
     # A *.py link was not read (it may lead out of the checkout): apply refuses it.
     links = [e for e in scan.errors if is_link(scan.root / e.file)]

@@ -197,7 +197,8 @@ def _modules() -> List[object]:
     pkg = _builtin_package()
     mods = [importlib.import_module(f"{pkg.__name__}.{info.name}")
             for info in pkgutil.iter_modules(pkg.__path__) if not info.name.startswith("_")]
-    for folder in filter(None, os.environ.get(RULES_PATH_ENV, "").split(os.pathsep)):
+    listed = filter(None, os.environ.get(RULES_PATH_ENV, "").split(os.pathsep))
+    for folder in dict.fromkeys(str(Path(f).resolve()) for f in listed):  # a folder named twice loads once
         for path in sorted(Path(folder).glob("*.py")):
             if path.name.startswith("_"):
                 continue

@@ -58,11 +58,11 @@ def _unindented(text: str) -> str:
     return "\n" + "\n".join(line.strip() for line in text.splitlines()) + "\n"
 
 
-def status(root: Path, select=None) -> Status:
-    return _status(root.resolve(), select)
+def status(root: Path, select=None, excluded=None) -> Status:
+    return _status(root.resolve(), select, excluded)
 
 
-def _status(root: Path, select=None) -> Status:
+def _status(root: Path, select=None, excluded=None) -> Status:
     j = write.pending(root)
     if j is not None and lock.held(root):
         return Status(IN_PROGRESS, [], f"a `kvpatch {j.get('op', '?')}` is writing to this checkout now; "
@@ -73,7 +73,7 @@ def _status(root: Path, select=None) -> Status:
                       f"an interrupted `kvpatch {j.get('op', '?')}` left {len(files)} file(s) in an unknown state; "
                       f"`kvpatch recover` rolls them back (`--dry-run` shows how)")
     st = load(root)
-    scan = scan_tree(root, select)
+    scan = scan_tree(root, select, excluded=excluded)
     errors = [Place(e.file, e.message, e.line) for e in scan.all_errors]
     found = _verdict(root, st, scan)
     found.errors = errors

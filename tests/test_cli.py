@@ -14,7 +14,7 @@ from kvpatch import __version__
 from kvpatch.cli import main
 from kvpatch.report import JSON_SCHEMA
 
-COMMANDS = ["audit", "apply", "revert", "recover", "status", "rules", "verify", "test"]
+COMMANDS = ["audit", "apply", "revert", "recover", "status", "rules", "verify", "test", "config"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
