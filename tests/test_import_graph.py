@@ -103,6 +103,21 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_rules_stay_plugins():
+    """The engine imports no rule, and no rule imports another rule (a rules/_helper
+    module of shared examples or logic is not a rule)."""
+    graph = import_graph()
+
+    def is_rule(m: str) -> bool:
+        return m.startswith("rules.") and not m.rpartition(".")[2].startswith("_")
+
+    engine = sorted((m, t) for m, ts in graph.items() if m.startswith("kvpatch") for t in ts if t.startswith("rules"))
+    assert engine == [], engine
+    cross = sorted((m, t) for m, ts in graph.items() if is_rule(m) for t in ts if is_rule(t))
+    assert cross == [], cross
+    assert any(is_rule(m) for m in graph)
+
+
 def test_graph_sees_every_import_form(tmp_path):
     """The reader itself: each import form gives its edge, a function-level one too,
     and a cycle closed only inside a function is found."""
