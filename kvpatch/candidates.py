@@ -45,6 +45,15 @@ class PlanCandidate:
     def arg(self, name: str) -> Optional[cst.Arg]:
         return self.args.get(name)
 
+    @property
+    def wrapper(self) -> Optional[cst.BaseExpression]:
+        """The wrapper the plan configures: the receiver of `wrapper.plan(...)`, the
+        first positional argument of a plan function (None: it has none)."""
+        if self.form != "function":
+            return self.receiver
+        pos = [a for a in self.call.args if a.keyword is None and not a.star]
+        return pos[0].value if pos else None
+
 
 def bind_plan_args(call: cst.Call, skip_first: bool = False) -> Optional[dict]:
     """Map plan()'s parameters to the call's arguments; None on *args/**kw."""

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Iterable, List, Optional
 
 from kvpatch import git
-from kvpatch.git import HEADS, NUL, GitError  # noqa: F401 - GitError: callers catch it as checkout.GitError
-from kvpatch.gittxn import BRANCH_PREFIX, INDEX_LOCK  # spelled once, there
+from kvpatch.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, NUL, GitError  # noqa: F401 - GitError: callers catch it as checkout.GitError
 
 # setuptools-scm checkouts carry a literal "0.0.0..." fallback: not a version.
 NO_VERSION = re.compile(r"0\.0\.0(\.dev\d*)?")

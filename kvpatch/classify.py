@@ -5,7 +5,9 @@ D names the KV dtype itself, or D is `q.dtype` and every definition of `q`
 that reaches the cast is `q = <...>.to(<KV dtype>)`. A cast of `q` to the KV
 dtype that only happens under a condition proves nothing: FA3, XPU and MUSA
 cast q only when `layer.head_dim <= 256`, and the absorbed-MLA layer has
-head_dim 576, so their later pool cast is real.
+head_dim 576, so their later pool cast is real. A kernel argument that reads
+the cast may also be reached by other values (SGLang's DCP branch): those that
+are not pool-wide are named, to be left as they are.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import List
 
 import libcst as cst
 
-from kvpatch.dataflow import Definition
-from kvpatch.match import CastForm, Consumer, UnitContext, is_kv_dtype_expr
+from kvpatch.dataflow import Definition, loads_in
+from kvpatch.match import CastForm, Consumer, UnitContext, contains, is_kv_dtype_expr
 
 
 @dataclass
@@ -96,3 +98,28 @@ def dead_result(cast: cst.Call, consumers: List[Consumer], ctx: UnitContext) -> 
     if later:
         return f"{names} is overwritten at line {later[0]} before any read"
     return f"{names} is never read"
+
+
+def other_values(consumers: List[Consumer], cast: cst.Call, ctx: UnitContext) -> List[str]:
+    """One line for each other value that may reach the argument a consumer call
+    reads the cast through (another definition of a name it loads) and is not
+    pool-wide (e.g. the DCP branch's gathered buffer); another pool cast is a
+    site of its own, so not named here."""
+    notes: List[str] = []
+    for c in consumers:
+        arg = c.call.args[c.arg_index] if c.arg_index is not None else None
+        if arg is None:
+            continue
+        for name in loads_in(arg.value):
+            for d in ctx.flow.defs_of(name):
+                if d.value is None or d.kind != "assign" or contains(d.value, cast):
+                    continue
+                form = ctx.cast_form(d.value) if isinstance(d.value, cst.Call) else None
+                if form is not None and ctx.origin(d.value.func.value).kind == "pool":
+                    continue  # another pool cast: a site of its own
+                if ctx.origin(d.value).kind != "pool":
+                    text = f"`{name.value}` may also be `{ctx.code(d.value)}` (line {ctx.line(d.stmt)}): " \
+                           f"not pool-wide, left as is"
+                    if text not in notes:
+                        notes.append(text)
+    return notes

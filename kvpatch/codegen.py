@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
+from kvpatch.match import attr_call
 from kvpatch.names import RUNTIME_ALIAS, RUNTIME_MODULE
 from kvpatch.units import leading_ws
 
@@ -137,6 +138,45 @@ def has_star_kwargs_call(call: cst.Call, func_attr: str) -> bool:
                 and a.value.func.attr.value == func_attr:
             return True
     return False
+
+
+# -- ReplaceNode builders: each leaves alone what it already made (a second apply
+# changes nothing), recognised as a call of the runtime function it writes.
+def _last_name(func: str) -> str:
+    return func.rsplit(".", 1)[-1]
+
+
+def wrap_arg_builder(func: str, before: Sequence[str]) -> Callable[[cst.Arg], cst.Arg]:
+    """A call argument's value V becomes `func(*before, V)`, V's node kept as written."""
+    def build(updated: cst.Arg) -> cst.Arg:
+        if attr_call(updated.value, {_last_name(func)}):
+            return updated
+        space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        call = cst.Call(func=parse_expr(func),
+                        args=[*(cst.Arg(parse_expr(b), comma=space) for b in before), cst.Arg(updated.value)])
+        return updated.with_changes(value=call)
+
+    return build
+
+
+def replace_arg_builder(text: str, func: str) -> Callable[[cst.Arg], cst.Arg]:
+    """A call argument's value becomes the expression `text`, a call of `func`."""
+    def build(updated: cst.Arg) -> cst.Arg:
+        if attr_call(updated.value, {_last_name(func)}):
+            return updated
+        return updated.with_changes(value=parse_expr(text))
+
+    return build
+
+
+def star_kwargs_builder(text: str, func: str) -> Callable[[cst.Call], cst.Call]:
+    """A call gets `**text` (a call of `func`) as its last argument."""
+    def build(updated: cst.Call) -> cst.Call:
+        if has_star_kwargs_call(updated, _last_name(func)):
+            return updated
+        return append_star_kwargs(updated, parse_expr(text))
+
+    return build
 
 
 # -- where a rewritten node sits: the one place rules get their layout from ----

@@ -23,6 +23,8 @@ LITERAL_ENV = {"GIT_LITERAL_PATHSPECS": "1"}
 NUL = b"\0"
 BLOB = "blob"
 HEADS = "refs/heads/"
+BRANCH_PREFIX = "kvpatch/"  # the branches apply makes: refs/heads/kvpatch/...
+INDEX_LOCK = "index.lock"  # in the git dir while a git command writes the index
 
 Where = Union[str, os.PathLike, object]  # a directory, a git.Repo or a git.Git
 

@@ -21,12 +21,10 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvpatch import git
-from kvpatch.git import HEADS
+from kvpatch import checkout, git
+from kvpatch.git import BRANCH_PREFIX, HEADS, INDEX_LOCK
 from kvpatch.safepath import UnsafePath
 
-BRANCH_PREFIX = "kvpatch/"
-INDEX_LOCK = "index.lock"
 # How many commits a write makes (apply: one; revert: one): undo strips no more.
 MAX_COMMITS = 1
 _SHA = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
@@ -37,8 +35,8 @@ class GitUndoError(RuntimeError):
     """The git side cannot be undone now (one line: what to do)."""
 
 
-def record(info) -> dict:
-    """Where HEAD is, before a write's git steps (`info`: checkout.GitInfo)."""
+def record(info: checkout.GitInfo) -> dict:
+    """Where HEAD is, before a write's git steps."""
     workdir = Path(info.workdir)
     return {"head": HEADS + info.branch if info.branch else None, "commit": info.commit,
             "branches": sorted(_kvpatch_branches(workdir))}
@@ -69,8 +67,6 @@ def plan(root: Path, rec: dict, files: List[dict]) -> List[Tuple[str, List[str]]
     """The git commands that put HEAD, the branches and the index back, each with a
     line saying what it does; [] when git is already as recorded. `files`: the
     journal's entries (each written path and the sha256 of what it wrote)."""
-    from kvpatch import checkout
-
     check(rec)
     info = checkout.git_info(root)
     if info is None:
@@ -122,14 +118,12 @@ def plan(root: Path, rec: dict, files: List[dict]) -> List[Tuple[str, List[str]]
 
 
 def undo(root: Path, steps: List[Tuple[str, List[str]]]) -> None:
-    from kvpatch import checkout
-
     info = checkout.git_info(root)
     for _, args in steps:
         _git(Path(info.workdir), *args)
 
 
-def _written(root: Path, info, files: List[dict]) -> Dict[str, Optional[str]]:
+def _written(root: Path, info: checkout.GitInfo, files: List[dict]) -> Dict[str, Optional[str]]:
     """repo path -> sha256 of the bytes the write put there (None: it deleted the path)."""
     out: Dict[str, Optional[str]] = {}
     for f in files:

@@ -302,7 +302,7 @@ class UnitContext:
                 continue
             for d in self.flow.defs:
                 if d.stmt is stmt and d.id not in seen:
-                    if d.kind == "unpack" or (d.value is not None and not _contains(d.value, expr)):
+                    if d.kind == "unpack" or (d.value is not None and not contains(d.value, expr)):
                         continue
                     seen.add(d.id)
                     for use in self.flow.uses_of(d):
@@ -345,7 +345,8 @@ def is_mla_run(c: Consumer) -> bool:
     )
 
 
-def _contains(root: cst.CSTNode, node: cst.CSTNode) -> bool:
+def contains(root: cst.CSTNode, node: cst.CSTNode) -> bool:
+    """Whether `node` (this very node) is `root` or inside it."""
     found = []
 
     class V(cst.CSTVisitor):

@@ -30,6 +30,12 @@ MLA_WRAPPER = "BatchMLAPagedAttentionWrapper"
 PLAN_METHOD = "plan"
 MLA_PLAN_FUNCTIONS = ("fast_mla_decode_plan", "fast_mla_prefill_plan")
 
+# -- SGLang's model runner: what an attention backend's `__init__` receives, and
+# the KV-cache dtype it knows (kvpatch/initattr.py keeps it on the instance).
+MODEL_RUNNER_PARAM = "model_runner"
+MODEL_RUNNER_CLASS = "ModelRunner"  # in a parameter's annotation
+KV_CACHE_DTYPE = "kv_cache_dtype"
+
 # -- The runtime module kvpatch writes next to each patched backend.
 RUNTIME_MODULE = "_kvpatch_runtime"
 RUNTIME_FILENAME = RUNTIME_MODULE + ".py"

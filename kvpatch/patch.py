@@ -294,7 +294,7 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
     state = State(
         kvpatch_version=__version__, ruleset_version=RULESET_VERSION, runtime_version=runtime_version(),
         applied_at=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        upstream=upstream, branch=None, files=sorted(files.values(), key=lambda f: f.path),
+        upstream=upstream, files=sorted(files.values(), key=lambda f: f.path),
         runtime_files=sorted(runtimes.values(), key=lambda r: r.path),
     )
     writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", state.to_json().encode("utf-8")))

@@ -17,7 +17,7 @@ import pkgutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Type
+from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Type, Union
 
 import libcst as cst
 
@@ -41,6 +41,9 @@ class Invalid:
     expected: Optional[str] = None
     status: str = HOT
     why: str = ""
+
+
+Example = Union[Valid, Invalid]
 
 
 # -- edits a decision asks for ------------------------------------------------
@@ -70,7 +73,7 @@ class NeedRuntime:
     """The file imports the runtime; the runtime file sits next to it."""
 
 
-Edit = object  # ReplaceNode | InsertStatement | NeedRuntime
+Edit = Union[ReplaceNode, InsertStatement, NeedRuntime]
 
 
 @dataclass

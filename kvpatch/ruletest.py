@@ -12,9 +12,10 @@ import textwrap
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
-from kvpatch.engine import analyze_source
+from kvpatch.engine import FileAnalysis, analyze_source
 from kvpatch.rewrite import plan_rewrite
-from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, PLAN_REWRITE
+from kvpatch.rule import Example, Rule
+from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, PLAN_REWRITE, Record
 
 REL = "python/sglang/srt/layers/attention/example_backend.py"
 VALID, INVALID = "VALID", "INVALID"
@@ -22,10 +23,10 @@ VALID, INVALID = "VALID", "INVALID"
 
 @dataclass
 class Case:
-    rule: object
+    rule: Rule
     kind: str  # VALID | INVALID
     index: int
-    example: object
+    example: Example
     alone: bool
 
     @property
@@ -33,11 +34,11 @@ class Case:
         return f"{self.rule.ID}-{self.kind.lower()}-{self.index}-{'alone' if self.alone else 'all-rules'}"
 
 
-def alone(rule, rules: Sequence) -> List:
-    return [r for r in rules if r.ID in (rule.ID, rule.PAIRS_WITH, getattr(rule, "NEEDS_ALL", None))]
+def alone(rule: Rule, rules: Sequence[Rule]) -> List[Rule]:
+    return [r for r in rules if r.ID in (rule.ID, rule.PAIRS_WITH, rule.NEEDS_ALL)]
 
 
-def cases(rules: Sequence, chosen: Optional[Sequence] = None) -> Iterator[Case]:
+def cases(rules: Sequence[Rule], chosen: Optional[Sequence[Rule]] = None) -> Iterator[Case]:
     for rule in chosen if chosen is not None else rules:
         for kind in (VALID, INVALID):
             for i, ex in enumerate(getattr(rule, kind)):
@@ -45,7 +46,7 @@ def cases(rules: Sequence, chosen: Optional[Sequence] = None) -> Iterator[Case]:
                     yield Case(rule, kind, i, ex, solo)
 
 
-def missing_metadata(rule) -> Optional[str]:
+def missing_metadata(rule: Rule) -> Optional[str]:
     if not rule.INVALID:
         return f"{rule.ID} has no INVALID example"
     if not rule.VALID:
@@ -55,11 +56,11 @@ def missing_metadata(rule) -> Optional[str]:
     return None
 
 
-def _decided_by(fa, rule) -> List:
+def _decided_by(fa: FileAnalysis, rule: Rule) -> List[Record]:
     return [r for r in fa.sites + fa.plans if r.rule == rule.ID]
 
 
-def check(case: Case, rules: Sequence) -> Optional[str]:
+def check(case: Case, rules: Sequence[Rule]) -> Optional[str]:
     """None if the example holds, else why not."""
     use = alone(case.rule, rules) if case.alone else list(rules)
     ex, rule = case.example, case.rule

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 # Site statuses.
 HOT = "hot"  # casts a whole layer pool; a rule rewrites it, or none does yet
@@ -86,6 +86,10 @@ class PlanCall:
 
     def to_dict(self) -> Dict:
         return asdict(self)
+
+
+# A finding of the audit: a cast site or a plan call (tell them apart with isinstance).
+Record = Union[Site, PlanCall]
 
 
 @dataclass

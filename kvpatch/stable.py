@@ -13,9 +13,10 @@ from typing import List
 import libcst as cst
 
 from kvpatch.dataflow import loads_in
+from kvpatch.match import UnitContext
 
 
-def differs_at(ctx: "UnitContext", expr: cst.BaseExpression, at: cst.CSTNode, use: str) -> str:
+def differs_at(ctx: UnitContext, expr: cst.BaseExpression, at: cst.CSTNode, use: str) -> str:
     """Why `expr` may not mean at the statement of `at` what it means where it is
     used (`use` names that place), or "": every name it loads has the same
     definitions in both places, and nothing in the function stores to an attribute
@@ -33,7 +34,7 @@ def differs_at(ctx: "UnitContext", expr: cst.BaseExpression, at: cst.CSTNode, us
     return stored_in(ctx, expr, use)
 
 
-def stored_in(ctx: "UnitContext", expr: cst.BaseExpression, use: str) -> str:
+def stored_in(ctx: UnitContext, expr: cst.BaseExpression, use: str) -> str:
     """Why `expr` may change between the cast and `use` through an attribute or item
     store in the function (`self.meta = ...` before a later `self.meta.page_table`)."""
     code = ctx.code(expr)

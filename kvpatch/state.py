@@ -67,7 +67,6 @@ class State:
     runtime_version: str
     applied_at: str
     upstream: Dict[str, Optional[str]]
-    branch: Optional[str]
     files: List[FileRecord] = field(default_factory=list)
     runtime_files: List[RuntimeRecord] = field(default_factory=list)
     schema: str = SCHEMA
@@ -81,7 +80,8 @@ class State:
             raise ValueError(f"unknown state schema {d.get('schema')!r} (expected {SCHEMA})")
         files = [FileRecord(**{**f, "sites": [SiteRecord(**s) for s in f.get("sites", [])]}) for f in d["files"]]
         rts = [RuntimeRecord(**r) for r in d.get("runtime_files", [])]
-        rest = {k: v for k, v in d.items() if k not in ("files", "runtime_files")}
+        # "branch": always null, written by earlier kvpatch and never read: skipped.
+        rest = {k: v for k, v in d.items() if k not in ("files", "runtime_files", "branch")}
         return cls(files=files, runtime_files=rts, **rest)
 
 

@@ -24,68 +24,16 @@ from typing import Optional
 import libcst as cst
 
 from kvpatch.candidates import PlanCandidate
-from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, argument_call_text, parse_expr
-from kvpatch.match import UnitContext, simple_expr
-from kvpatch.rule import Decision, InsertStatement, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
+from kvpatch.codegen import RUNTIME_ALIAS, argument_call_text, replace_arg_builder, wrap_arg_builder
+from kvpatch.initattr import keep_runner_attr
+from kvpatch.match import UnitContext, attr_call, simple_expr
+from kvpatch.names import KV_CACHE_DTYPE
+from kvpatch.rule import Decision, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
 from kvpatch.sites import PLAN_PATCHED, PLAN_REWRITE, PLAN_UNSUPPORTED
 
+from ._fi_mla_examples import BACKEND, BACKEND_PATCHED, HEADER, JIT_DECODE_PLAN, RT
+
 KV_CACHE_ATTR = "_kvpatch_kv_cache_dtype"
-HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
-RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
-# Plans are retargeted only next to a cast that KVP101 rewrites (PAIRS_WITH).
-BACKEND = """
-class FlashInferMLAAttnBackend:
-    def forward_decode(self, q, q_rope, layer, forward_batch):
-        decode_wrapper = self.forward_metadata.decode_wrapper
-        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
-"""
-BACKEND_PATCHED = """
-class FlashInferMLAAttnBackend:
-    def forward_decode(self, q, q_rope, layer, forward_batch):
-        decode_wrapper = self.forward_metadata.decode_wrapper
-        k_buffer = _kvpatch_rt.kv_for_kernel(
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            decode_wrapper,
-            q.dtype,
-        )
-        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], **_kvpatch_rt.run_kwargs(decode_wrapper))
-"""
-
-
-def is_runtime_call(e: cst.BaseExpression, fn: str) -> bool:
-    return isinstance(e, cst.Call) and isinstance(e.func, cst.Attribute) and e.func.attr.value == fn
-
-
-def _first_positional(call: cst.Call) -> Optional[cst.BaseExpression]:
-    pos = [a for a in call.args if a.keyword is None and not a.star]
-    return pos[0].value if pos else None
-
-
-def _route_builder(w_code: str, fn: str):
-    """kv_indptr -> <alias>.plan_rows(wrapper, kv_indptr), the value node kept as written."""
-    def build(updated: cst.Arg) -> cst.Arg:
-        if is_runtime_call(updated.value, fn):
-            return updated
-        call = cst.Call(
-            func=parse_expr(f"{RUNTIME_ALIAS}.{fn}"),
-            args=[cst.Arg(parse_expr(w_code), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                  cst.Arg(updated.value)],
-        )
-        return updated.with_changes(value=call)
-
-    return build
-
-
-def _model_runner_param(facts) -> Optional[str]:
-    if facts is None or facts.init is None:
-        return None
-    if "model_runner" in facts.init_params:
-        return "model_runner"
-    for name, ann in facts.init_annotations.items():
-        if "ModelRunner" in ann:
-            return name
-    return None
 
 
 class FlashInferMlaPlanKvDtype(Rule):
@@ -102,27 +50,7 @@ class FlashInferMlaPlanKvDtype(Rule):
 
     VALID = (
         Valid(
-            HEADER + """
-def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                     page_size, window_left=-1, logits_soft_cap=None, data_type="float16"):
-    self._cached_module.plan(
-        self._float_workspace_buffer,
-        self._int_workspace_buffer,
-        self._pin_memory_int_workspace_buffer,
-        indptr.to("cpu"),
-        len(last_page_len),
-        num_qo_heads,
-        num_kv_heads,
-        page_size,
-        self.is_cuda_graph_enabled,
-        window_left,
-        logits_soft_cap,
-        head_dim,
-        head_dim,
-        self.empty_q_data,
-        self.empty_kv_cache,
-    )
-""",
+            HEADER + JIT_DECODE_PLAN,
             why="a decode wrapper's JIT plan (16 positional arguments; SGLang b11008465 "
                 "flashinfer_backend.py): not the MLA wrapper's plan(), not a plan call of this rule",
         ),
@@ -398,8 +326,7 @@ class FlashInferMLAIndicesUpdaterDecode:
 
     def decide(self, cand: PlanCandidate, ctx: UnitContext) -> Optional[Decision]:
         dtype_fn, rows_fn = self.EMITS
-        indptr = cand.arg("kv_indptr")
-        wrapper = cand.receiver if cand.form != "function" else _first_positional(cand.call)
+        indptr, wrapper = cand.arg("kv_indptr"), cand.wrapper
         if indptr is None:
             return Decision(PLAN_UNSUPPORTED, "no kv_indptr argument: the rows this plan gives the kernel "
                                               "cannot be routed to the runtime")
@@ -407,9 +334,9 @@ class FlashInferMLAIndicesUpdaterDecode:
             code = ctx.code(wrapper) if wrapper is not None else "?"
             return Decision(PLAN_UNSUPPORTED, f"the wrapper `{code}` is not a plain name or attribute: it "
                                               f"would be evaluated twice")
-        routed = is_runtime_call(indptr.value, rows_fn)
-        w_code = ctx.code(wrapper)
-        route = [ReplaceNode(ctx.unit.qualname, indptr, _route_builder(w_code, rows_fn)), NeedRuntime()]
+        routed = attr_call(indptr.value, {rows_fn})
+        route = [ReplaceNode(ctx.unit.qualname, indptr, wrap_arg_builder(f"{RUNTIME_ALIAS}.{rows_fn}",
+                                                                          [ctx.code(wrapper)])), NeedRuntime()]
         if cand.form == "function":
             fn = ctx.code(cand.call.func)
             if routed:
@@ -417,7 +344,7 @@ class FlashInferMLAIndicesUpdaterDecode:
             return Decision(PLAN_REWRITE, f"`{fn}` gives the kernel its rows (its dtypes are ignored): "
                                           f"kv_indptr routed through the runtime", route)
         kv, q, causal = cand.arg("kv_data_type"), cand.arg("q_data_type"), cand.arg("causal")
-        retargeted = kv is not None and is_runtime_call(kv.value, dtype_fn)
+        retargeted = kv is not None and attr_call(kv.value, {dtype_fn})
         if retargeted and routed:
             return Decision(PLAN_PATCHED, "rows routed and kv dtype chosen by the kvpatch runtime")
         if not ctx.file.module.uses_mla_wrapper:
@@ -447,49 +374,12 @@ class FlashInferMLAIndicesUpdaterDecode:
         for what, node in (("q dtype", q.value), ("kv dtype", kv.value), ("causal", causal.value)):
             if not (simple_expr(node) or isinstance(node, cst.Name)):
                 return f"the {what} argument `{ctx.code(node)}` is not a plain name or attribute"
-        self_name = ctx.unit.first_param
-        facts = ctx.class_facts
-        runner = _model_runner_param(facts)
-        if not self_name or runner is None:
-            cls = ctx.unit.class_qualname or "the enclosing scope"
-            return f"the model's KV-cache dtype is not reachable (`{cls}.__init__` has no model_runner parameter)"
-        init = ctx.file.units.get(facts.init.qualname)
-        if init is None:
-            return f"`{facts.init.qualname}` could not be parsed on its own"
+        insert = keep_runner_attr(ctx, KV_CACHE_ATTR, KV_CACHE_DTYPE, "the model's KV-cache dtype",
+                                  (q.value, kv.value))
+        if isinstance(insert, str):
+            return insert
         dtype_fn = self.EMITS[0]
-        init_self = facts.init.first_param or "self"
-        anchor = self._anchor(init.func, init_self, {q.value, kv.value})
-        insert = InsertStatement(
-            facts.init.qualname, anchor,
-            f'{init_self}.{KV_CACHE_ATTR} = getattr({runner}, "kv_cache_dtype", None)',
-            unless_assigned=KV_CACHE_ATTR,
-        )
-        args = [ctx.code(cand.receiver), ctx.code(q.value), ctx.code(kv.value), f"{self_name}.{KV_CACHE_ATTR}",
-                ctx.code(causal.value)]
+        args = [ctx.code(cand.receiver), ctx.code(q.value), ctx.code(kv.value),
+                f"{ctx.unit.first_param}.{KV_CACHE_ATTR}", ctx.code(causal.value)]
         text = argument_call_text(f"{RUNTIME_ALIAS}.{dtype_fn}", args, kv, ctx)
-
-        def build(updated: cst.Arg) -> cst.Arg:
-            if is_runtime_call(updated.value, dtype_fn):
-                return updated
-            return updated.with_changes(value=parse_expr(text))
-
-        return [ReplaceNode(ctx.unit.qualname, kv, build), insert]
-
-    @staticmethod
-    def _anchor(init: cst.FunctionDef, self_name: str, dtype_nodes) -> Optional[cst.CSTNode]:
-        """The last top-level `self.<attr> = ...` of __init__ for an attr the
-        plan's dtype arguments read; None: append at the end."""
-        attrs = {n.attr.value for n in dtype_nodes if isinstance(n, cst.Attribute)
-                 and isinstance(n.value, cst.Name) and n.value.value == self_name}
-        anchor = None
-        body = init.body.body if isinstance(init.body, cst.IndentedBlock) else ()
-        for stmt in body:
-            if isinstance(stmt, cst.SimpleStatementLine):
-                for small in stmt.body:
-                    if isinstance(small, (cst.Assign, cst.AnnAssign)):
-                        targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
-                        for t in targets:
-                            if isinstance(t, cst.Attribute) and isinstance(t.value, cst.Name) \
-                                    and t.value.value == self_name and t.attr.value in attrs:
-                                anchor = stmt
-        return anchor
+        return [ReplaceNode(ctx.unit.qualname, kv, replace_arg_builder(text, f"{RUNTIME_ALIAS}.{dtype_fn}")), insert]

@@ -18,15 +18,14 @@ from typing import List, Optional
 import libcst as cst
 
 from kvpatch.candidates import CastCandidate
-from kvpatch.codegen import IMPORT_LINE, RUNTIME_ALIAS, append_star_kwargs, cast_builder, has_star_kwargs_call, parse_expr
-from kvpatch.dataflow import loads_in
-from kvpatch.match import UnitContext, _contains, consumer_names, is_mla_run
+from kvpatch.classify import other_values
+from kvpatch.codegen import RUNTIME_ALIAS, cast_builder, star_kwargs_builder
+from kvpatch.match import UnitContext, consumer_names, is_mla_run
 from kvpatch.stable import differs_at
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid
 from kvpatch.sites import HOT, UNSUPPORTED
 
-HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
-RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
+from ._fi_mla_examples import HEADER, RT
 
 
 class FlashInferMlaPoolCast(Rule):
@@ -363,14 +362,14 @@ class B:
             return Decision(UNSUPPORTED, problem)
 
         w_code = ctx.code(w_node)
-        facts = ctx.class_facts
-        self_name = ctx.unit.first_param
         edits: List = [ReplaceNode(ctx.unit.qualname, cand.call, cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{self.EMITS[0]}", [w_code])),
                        NeedRuntime()]
         kw_value = f"{RUNTIME_ALIAS}.{self.EMITS[1]}({w_code})"
         for c in runs:
-            edits.append(ReplaceNode(ctx.unit.qualname, c.call, _run_builder(kw_value)))
-        notes = self._sibling_notes(runs, cand, ctx)
+            edits.append(ReplaceNode(ctx.unit.qualname, c.call,
+                                     star_kwargs_builder(kw_value, f"{RUNTIME_ALIAS}.{self.EMITS[1]}")))
+        # Other buffers reaching the same run() (e.g. the DCP branch) are kept as they are.
+        notes = other_values(runs, cand.call, ctx)
         return Decision(
             HOT,
             f"full-pool cast; `{w_code}.run()` reads only the planned kv_indices rows: rewritten to a "
@@ -385,38 +384,3 @@ class B:
         """The wrapper expression must mean the same at the cast as at run()."""
         problem = differs_at(ctx, w_node, cand.call, f"`{ctx.code(w_node)}.run()`")
         return problem.replace(f"`{ctx.code(w_node)}` is bound after", f"the wrapper `{ctx.code(w_node)}` is bound after")
-
-    @staticmethod
-    def _sibling_notes(runs, cand: CastCandidate, ctx: UnitContext) -> List[str]:
-        """Other buffers reaching the same run() (e.g. the DCP branch): kept as is."""
-        notes = []
-        for c in runs:
-            arg = c.call.args[c.arg_index] if c.arg_index is not None else None
-            if arg is None:
-                continue
-            for name in loads_in(arg.value):
-                for d in ctx.flow.defs_of(name):
-                    if d.value is None or d.kind != "assign" or _inside(d.value, cand.call):
-                        continue
-                    form = ctx.cast_form(d.value) if isinstance(d.value, cst.Call) else None
-                    if form is not None and ctx.origin(d.value.func.value).kind == "pool":
-                        continue  # another pool cast: a site of its own
-                    if ctx.origin(d.value).kind != "pool":
-                        text = f"`{name.value}` may also be `{ctx.code(d.value)}` (line {ctx.line(d.stmt)}): " \
-                               f"not pool-wide, left as is"
-                        if text not in notes:
-                            notes.append(text)
-        return notes
-
-
-def _run_builder(kw_value: str):
-    def build(updated: cst.Call) -> cst.Call:
-        if has_star_kwargs_call(updated, FlashInferMlaPoolCast.EMITS[1]):
-            return updated
-        return append_star_kwargs(updated, parse_expr(kw_value))
-
-    return build
-
-
-def _inside(root: cst.CSTNode, node: cst.CSTNode) -> bool:
-    return _contains(root, node)

@@ -6,9 +6,10 @@ import difflib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple
 from kvpatch import RULESET_VERSION, __version__
-from kvpatch.sites import FIXED_UPSTREAM, GATHERED, NEEDS_ACTION, NOOP, PATCHED, PlanCall, ScanResult, Site
+from kvpatch.patch import Patch
+from kvpatch.sites import FIXED_UPSTREAM, GATHERED, NEEDS_ACTION, NOOP, PATCHED, FileError, Record, ScanResult, Site
 
 SCHEMA_ID = "kvpatch.upgrade/1"
 
@@ -104,8 +105,8 @@ class FunctionInfo:
 @dataclass
 class Entry:
     category: str
-    old: Union[Site, PlanCall, None] = None
-    new: Union[Site, PlanCall, None] = None
+    old: Optional[Record] = None
+    new: Optional[Record] = None
     action: bool = False
     why: str = ""
     statement_changed: bool = False
@@ -114,7 +115,7 @@ class Entry:
     action_why: str = ""  # the short reason it needs action
 
     @property
-    def rec(self):
+    def rec(self) -> Record:
         return self.new if self.new is not None else self.old
 
     @property
@@ -172,8 +173,8 @@ class Upgrade:
     new: Tree
     sites: List[Entry]
     plans: List[Entry]
-    patch: object  # patch.Patch (of the new tree)
-    errors: List[Tuple[str, object]]  # (tree, FileError)
+    patch: Patch  # of the new tree
+    errors: List[Tuple[str, FileError]]  # (tree, error)
     seconds: float = 0.0
 
     @property
@@ -227,7 +228,7 @@ def _diffstat(old: Optional[str], new: str) -> Tuple[int, int]:
     return added, removed
 
 
-def patch_summary(p) -> Dict:
+def patch_summary(p: Patch) -> Dict:
     files = []
     for r in p.rewrites:
         a, d = _diffstat(r.old_text, r.new_text)

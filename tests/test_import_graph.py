@@ -1,0 +1,155 @@
+"""kvpatch/ and rules/ import each other without a cycle (issue 9).
+
+The graph is read statically with `ast`: every import in a module counts,
+at module level or inside a function (a function-level import only hides a
+cycle until the function runs), in the forms `import kvpatch.x`,
+`from kvpatch.x import y`, `from kvpatch import x`, `from . import x` and
+`from .x import y`. A name imported from a package is an edge to its
+submodule when one exists, else to the package itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kvpatch", "rules")
+
+
+def modules(root: Path = ROOT) -> Dict[str, Path]:
+    """Dotted module name -> file, for every module of PACKAGES."""
+    out: Dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _is_package(name: str, mods: Dict[str, Path]) -> bool:
+    return mods[name].name == "__init__.py"
+
+
+def _target(name: str, mods: Dict[str, Path]) -> Optional[str]:
+    """The module `name` (or its nearest enclosing module of ours) names, if ours."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(name: str, mods: Dict[str, Path]) -> Set[str]:
+    """The modules of ours that module `name` imports, anywhere in its body."""
+    tree = ast.parse(mods[name].read_text(encoding="utf-8"), str(mods[name]))
+    package = name if _is_package(name, mods) else name.rpartition(".")[0]
+    out: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                t = _target(alias.name, mods)
+                if t:
+                    out.add(t)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                base_name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base_name = node.module or ""
+            for alias in node.names:
+                sub = f"{base_name}.{alias.name}"
+                t = sub if sub in mods else _target(base_name, mods)
+                if t:
+                    out.add(t)
+    out.discard(name)
+    return out
+
+
+def import_graph(root: Path = ROOT) -> Dict[str, Set[str]]:
+    mods = modules(root)
+    return {name: imports_of(name, mods) for name in mods}
+
+
+def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """One cycle as [a, b, ..., a], or None (iterative depth-first search)."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    colour = {n: WHITE for n in graph}
+    for start in sorted(graph):
+        if colour[start] != WHITE:
+            continue
+        path = [start]
+        stack = [iter(sorted(graph[start]))]
+        colour[start] = GREY
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                colour[path.pop()] = BLACK
+                stack.pop()
+            elif colour.get(nxt) == GREY:
+                return path[path.index(nxt):] + [nxt]
+            elif colour.get(nxt) == WHITE:
+                colour[nxt] = GREY
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_rules_stay_plugins():
+    """The engine imports no rule, and no rule imports another rule (a rules/_helper
+    module of shared examples or logic is not a rule)."""
+    graph = import_graph()
+
+    def is_rule(m: str) -> bool:
+        return m.startswith("rules.") and not m.rpartition(".")[2].startswith("_")
+
+    engine = sorted((m, t) for m, ts in graph.items() if m.startswith("kvpatch") for t in ts if t.startswith("rules"))
+    assert engine == [], engine
+    cross = sorted((m, t) for m, ts in graph.items() if is_rule(m) for t in ts if is_rule(t))
+    assert cross == [], cross
+    assert any(is_rule(m) for m in graph)
+
+
+def test_graph_sees_every_import_form(tmp_path):
+    """The reader itself: each import form gives its edge, a function-level one too,
+    and a cycle closed only inside a function is found."""
+    pkg = tmp_path / "kvpatch"
+    (pkg / "sub").mkdir(parents=True)
+    (tmp_path / "rules").mkdir()
+    files = {
+        "kvpatch/__init__.py": "",
+        "kvpatch/a.py": "from kvpatch.b import thing\n",
+        "kvpatch/b.py": "def f():\n    from kvpatch import c\n",
+        "kvpatch/c.py": "from . import d\nimport kvpatch.sub.e\n",
+        "kvpatch/d.py": "from .sub import e\n",
+        "kvpatch/sub/__init__.py": "from .e import name\n",
+        "kvpatch/sub/e.py": "def g():\n    from ..a import x\n",
+        "rules/__init__.py": "",
+        "rules/r.py": "from ._helper import X\nfrom kvpatch.sub.e import g\n",
+        "rules/_helper.py": "import os\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    graph = import_graph(tmp_path)
+    assert graph["kvpatch.a"] == {"kvpatch.b"}
+    assert graph["kvpatch.b"] == {"kvpatch.c"}
+    assert graph["kvpatch.c"] == {"kvpatch.d", "kvpatch.sub.e"}
+    assert graph["kvpatch.d"] == {"kvpatch.sub.e"}
+    assert graph["kvpatch.sub"] == {"kvpatch.sub.e"}
+    assert graph["kvpatch.sub.e"] == {"kvpatch.a"}
+    assert graph["rules.r"] == {"rules._helper", "kvpatch.sub.e"}
+    assert graph["rules._helper"] == set()
+    cycle = find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1]
+    assert set(cycle) == {"kvpatch.a", "kvpatch.b", "kvpatch.c", "kvpatch.sub.e"} or \
+        set(cycle) == {"kvpatch.a", "kvpatch.b", "kvpatch.c", "kvpatch.d", "kvpatch.sub.e"}
+    (tmp_path / "kvpatch/sub/e.py").write_text("def g():\n    pass\n")
+    assert find_cycle(import_graph(tmp_path)) is None
