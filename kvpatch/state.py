@@ -7,7 +7,9 @@ git (``original_commit``: the commit apply started from, read with checkout
 filters) where git gives back exactly its bytes, and is otherwise kept as a
 byte-exact copy under ``.kvpatch/originals/`` (no git, untracked or dirty
 files). ``status``, ``revert``, ``verify`` and the upgrade audit work from
-these, with or without git.
+these, with or without git. ``declined`` (only when there are some) lists the
+sites ``apply -i`` was told to leave, which ``status`` then does not count as
+missing.
 """
 
 from __future__ import annotations
