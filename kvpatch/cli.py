@@ -157,10 +157,12 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 @click.option("--no-commit/--commit", "no_commit", default=None,
               help="Write the files only: no kvpatch/<...> branch, no commit (--commit: override the config's).")
 @click.option("--no-verify", is_flag=True, help="Commit without running git's pre-commit and commit-msg hooks.")
+@click.option("-i", "--interactive", is_flag=True,
+              help="Show each change's hunk and ask: [y]es / [n]o / [a]ll remaining / [q]uit.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
 @_rules_opt
 @click.pass_obj
-def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_verify, jobs, rules):
+def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_verify, jobs, rules, interactive=False):
     """Rewrite every fixable site under PATH (all files or none).
 
     In a git checkout: refuses a dirty tree, then makes a branch
@@ -168,8 +170,12 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     runtime module (_kvpatch_runtime.py) next to each patched backend and
     records .kvpatch/state.json. A second apply changes nothing.
 
+    With -i, only the changes you accept are written (paired edits are asked
+    as one); the declined ones are recorded, and a later plain apply rewrites them.
+
     \b
     Example:  kvpatch apply --dry-run ~/sglang | less -R
+              kvpatch apply -i ~/sglang
     """
     from kvpatch import patch as P
     from kvpatch import report
@@ -181,13 +187,21 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     if root.is_file():
         out.error(f"{path}: apply works on a checkout directory (audit also takes a single file)")
         sys.exit(EXIT_ERROR)
+    if interactive:
+        from kvpatch import cli_ask
+    ask = cli_ask.asker(out, root, dry_run, allow_dirty) if interactive else None
     t0 = time.perf_counter()
     try:
-        built = P.build(root, select, jobs, out.progress(), cfg.excluder(root))
+        built = P.build(root, select, jobs, out.progress(), cfg.excluder(root), ask=ask)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback
         out.error(f"{exc}")
         sys.exit(EXIT_ERROR)
     errors = built.scan.all_errors + built.refused
+    if ask is not None and built.changes and not built.rewrites:  # none accepted: nothing is written
+        out.echo(cli_ask.answered(built) + "; nothing written")
+        for e in errors:
+            out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
+        sys.exit(EXIT_ERROR if errors else EXIT_OK)
     if dry_run:  # the counts first, then the diff; a runtime file is one line unless --runtime-diff
         _apply_counts(out, built, written=False)
         diff = built.diff(color=out.color_out, runtimes=runtime_diff)
@@ -234,6 +248,10 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
 
 def _apply_counts(out: Out, built, written: bool) -> None:
     verb = "rewritten" if written else "would be rewritten"
+    if built.answers is not None:
+        from kvpatch.cli_ask import answered
+
+        out.echo(answered(built))
     out.echo(f"files changed: {len(built.rewrites)}; sites {verb}: {built.sites_rewritten}; "
              f"plan calls retargeted: {built.plans_rewritten}; runtime files: {len(built.runtimes)}")
     skipped = built.skipped()

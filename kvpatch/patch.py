@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import difflib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, originals, write
+from kvpatch import RULESET_VERSION, __version__, checkout, choose, originals, write
 from kvpatch.engine import analyze_source, scan_tree
 from kvpatch.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
                              _is_state, _locked, _refuse_pending, _write_and_commit)  # PatchError: the CLI's
@@ -25,8 +26,8 @@ from kvpatch.rule import load_rules
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version
 from kvpatch.safepath import is_link, read_regular
 from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError, ScanResult
-from kvpatch.state import (STATE_DIR, STATE_FILE, FileRecord, RuntimeRecord, SiteRecord, State, load,
-                           sha256)
+from kvpatch.state import (STATE_DIR, STATE_FILE, DeclinedRecord, FileRecord, RuntimeRecord, SiteRecord, State,
+                           declined_key, load, sha256)
 
 
 
@@ -45,6 +46,11 @@ class Patch:
     rewrites: List[FileRewrite] = field(default_factory=list)
     runtimes: List[RuntimeWrite] = field(default_factory=list)
     refused: List[FileError] = field(default_factory=list)  # files whose rewrite was dropped
+    # apply -i: the records of the changes answered "no", and of those a "quit" left unasked
+    declined: List = field(default_factory=list)
+    unasked: List = field(default_factory=list)
+    answers: Optional[choose.Selection] = None
+    changes: int = 0  # how many changes there were to ask about
 
     @property
     def sites_rewritten(self) -> int:
@@ -58,6 +64,7 @@ class Patch:
         """Sites that stay as they are and need action, with their reasons."""
         # The rewrites' records come from a second analysis: match them by place.
         rewritten = {(s.file, s.line) for r in self.rewrites for s in r.sites}
+        rewritten |= {(s.file, s.line) for s in self.declined + self.unasked}
         return [s for s in self.scan.sites if s.status in NEEDS_ACTION and (s.file, s.line) not in rewritten]
 
     @property
@@ -108,7 +115,9 @@ def colorize_diff(text: str) -> str:
 
 def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
           progress: Optional[Callable[[int, int], None]] = None,
-          excluded: Optional[Callable[[str], bool]] = None) -> Patch:
+          excluded: Optional[Callable[[str], bool]] = None, ask: Optional[choose.Asker] = None) -> Patch:
+    """What apply writes. With `ask` (apply -i) each change is asked first and
+    only the accepted ones are rewritten; with none accepted, nothing is written."""
     rules = load_rules(select)
     scan = scan_tree(root, select, jobs, progress, excluded)
     patch = Patch(scan.root, scan)
@@ -118,6 +127,7 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
     patch.refused.extend(links)
     runtime_text = runtime_source().encode("utf-8")
     runtime_dirs: Dict[str, None] = {}
+    pending: List[Tuple[object, List[choose.Change]]] = []
     for f in scan.files:
         if not f.fixable:
             continue
@@ -133,11 +143,18 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
             continue
         if rw is None or not rw.changed:
             continue
+        if ask is not None:
+            pending.append((fa, choose.changes(fa, rules, rw)))
+            continue
         patch.rewrites.append(rw)
+    if ask is not None:
+        _ask(patch, rules, pending, ask)
+    for rw in patch.rewrites:
         if rw.needs_runtime:
-            runtime_dirs[str(PurePosixPath(f.rel).parent)] = None
-    # Files already patched keep their runtime in step with this kvpatch.
-    for f in scan.files:
+            runtime_dirs[str(PurePosixPath(rw.rel).parent)] = None
+    # Files already patched keep their runtime in step with this kvpatch
+    # (apply -i with nothing accepted writes nothing at all).
+    for f in scan.files if not (ask is not None and not patch.rewrites) else ():
         if any(s.status == PATCHED for s in f.sites) or any(p.status == PLAN_PATCHED for p in f.plans):
             runtime_dirs[str(PurePosixPath(f.rel).parent)] = None
     for d in runtime_dirs:
@@ -147,6 +164,27 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
         if old != runtime_text:
             patch.runtimes.append(RuntimeWrite(rel, runtime_text, old))
     return patch
+
+
+def _ask(patch: Patch, rules, pending, ask: choose.Asker) -> None:
+    every = [c for _, cs in pending for c in cs]
+    sel = ask(every)
+    i = 0
+    for fa, cs in pending:
+        picked = []
+        for c in cs:
+            if i in sel.accepted:
+                picked.append(c)
+            else:
+                (patch.declined if i in sel.declined else patch.unasked).extend(c.records)
+            i += 1
+        if not picked:
+            continue
+        try:
+            patch.rewrites.append(choose.accepted_rewrite(fa, rules, picked))
+        except RewriteError as exc:
+            patch.refused.append(FileError(fa.rel, str(exc)))
+    patch.answers, patch.changes = sel, len(every)
 
 
 # -- apply ---------------------------------------------------------------------
@@ -192,6 +230,10 @@ def commit_message(patch: Patch) -> str:
             lines.append(f"- {p.file}:{p.line} {p.qualname} {p.rule}: plan kv dtype {p.kv_dtype}")
     for rt in patch.runtimes:
         lines.append(f"- {rt.rel}: kvpatch runtime {runtime_version()}" + (" (updated)" if rt.old else ""))
+    if patch.declined or patch.unasked:
+        lines += ["", f"Left as they are (kvpatch apply -i): {len(patch.declined)} declined, "
+                      f"{len(patch.unasked)} not asked:"]
+        lines += [f"- {r.file}:{r.line} {r.qualname} {r.rule}" for r in patch.declined + patch.unasked]
     return "\n".join(lines) + "\n"
 
 
@@ -202,8 +244,10 @@ def apply(root: Path, **kw) -> ApplyResult:
         return _apply(root, **kw)
 
 
-def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_verify=False, jobs=None,
-           progress=None, patch: Optional[Patch] = None) -> ApplyResult:
+def preflight(root: Path, allow_dirty: bool = False):
+    """The refusals apply makes before it builds (apply -i makes them before asking
+    anything too): a pending journal, an unsafe state, a dirty git tree. Returns
+    (the recorded state, git info)."""
     _refuse_pending(root)
     old_state = load(root)  # a crafted state is refused here, before anything is touched
     info = checkout.git_info(root)
@@ -212,6 +256,12 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
         if dirty:
             raise PatchError(f"the git tree has uncommitted changes ({', '.join(dirty[:3])}"
                              f"{'...' if len(dirty) > 3 else ''}): commit or stash them, or pass --allow-dirty")
+    return old_state, info
+
+
+def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_verify=False, jobs=None,
+           progress=None, patch: Optional[Patch] = None) -> ApplyResult:
+    old_state, info = preflight(root, allow_dirty)
     patch = patch or build(root, select, jobs, progress)
     if patch.empty:
         return ApplyResult(patch, [], None, None, info is not None, "nothing to do")
@@ -296,8 +346,24 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
         applied_at=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         upstream=upstream, files=sorted(files.values(), key=lambda f: f.path),
         runtime_files=sorted(runtimes.values(), key=lambda r: r.path),
+        declined=_declined(patch, old_state),
     )
     writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", state.to_json().encode("utf-8")))
     if info is not None and not (root / GIT_IGNORE).exists():
         writes.append(write.FileWrite(GIT_IGNORE, IGNORE_ALL))
     return writes, state
+
+
+def _declined(patch: Patch, old_state: Optional[State]) -> List[DeclinedRecord]:
+    """This apply's "no" answers, and the earlier ones whose site is still left
+    unrewritten (an earlier -i's decline stands until a later apply rewrites it)."""
+    new = [DeclinedRecord.of(r) for r in patch.declined]
+    done = {(s.file, s.line) for r in patch.rewrites for s in r.sites + r.plans}
+    left = Counter(declined_key(r) for r in patch.scan.sites + patch.scan.plans
+                   if r.fixable and (r.file, r.line) not in done)
+    left.subtract(Counter(d.key for d in new))
+    for d in old_state.declined if old_state else ():
+        if left[d.key] > 0:
+            left[d.key] -= 1
+            new.append(d)
+    return sorted(new, key=lambda d: (d.file, d.line))

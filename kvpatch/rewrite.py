@@ -108,9 +108,15 @@ def _newline(lines: Sequence[str]) -> str:
     return "\n"
 
 
-def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule]) -> Optional[FileRewrite]:
-    """The file's rewrite, or None when nothing in it is fixable."""
-    edits = [(d, e) for d in fa.decided if d.decision is not None and d.decision.fixable for e in d.decision.edits]
+def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule], keep: Optional[Sequence] = None) -> Optional[FileRewrite]:
+    """The file's rewrite, or None when nothing in it is fixable.
+
+    `keep` (apply -i): only these decided candidates are rewritten; the file's
+    other fixable ones must then be exactly what is still fixable after it."""
+    fixable = [d for d in fa.decided if d.decision is not None and d.decision.fixable]
+    kept = {id(d) for d in keep} if keep is not None else {id(d) for d in fixable}
+    left = [d for d in fixable if id(d) not in kept]
+    edits = [(d, e) for d in fixable if id(d) in kept for e in d.decision.edits]
     if not edits:
         return None
     nl = _newline(fa.lines)
@@ -137,7 +143,7 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule]) -> Optional[FileRewrit
     if needs_runtime and not fa.has_runtime_import:
         lines = _add_import(lines, fa, nl)
     new_text = "".join(lines)
-    after = _check(fa, new_text, rules)
+    after = _check(fa, new_text, rules, [d.record for d in left])
     sites = [d.record for d, _ in edits if isinstance(d.record, Site)]
     plans = [d.record for d, _ in edits if isinstance(d.record, PlanCall)]
     uniq = lambda xs: list({id(x): x for x in xs}.values())  # noqa: E731
@@ -153,9 +159,14 @@ def _add_import(lines: List[str], fa: FileAnalysis, nl: str) -> List[str]:
     return [IMPORT_LINE + nl, nl] + lines
 
 
-def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule]) -> FileAnalysis:
-    """The rewritten file must parse, compile and leave nothing to fix; returns
-    its audit (apply records the rewritten statements from it)."""
+def _fix_key(rec) -> tuple:
+    return type(rec).__name__, rec.qualname, rec.rule
+
+
+def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule], left: Sequence = ()) -> FileAnalysis:
+    """The rewritten file must parse, compile and leave nothing to fix but the
+    `left` records (the sites apply -i was told to leave); returns its audit
+    (apply records the rewritten statements from it)."""
     try:
         compile(ast.parse(new_text), fa.rel, "exec")
     except SyntaxError as exc:
@@ -163,8 +174,12 @@ def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule]) -> FileAnalys
     again = analyze_source(fa.rel, encode(new_text, fa.encoding, fa.bom), rules)
     if again.errors:
         raise RewriteError(f"{fa.rel}: the rewrite cannot be re-analysed: {again.errors[0].message}")
-    if again.fixable:
-        left = [d.record for d in again.decided if d.decision and d.decision.fixable]
-        raise RewriteError(f"{fa.rel}: the rewrite is not idempotent ({len(left)} site(s) still fixable, "
-                           f"first at line {left[0].line})")
+    still = [d.record for d in again.decided if d.decision and d.decision.fixable]
+    if sorted(map(_fix_key, still)) != sorted(map(_fix_key, left)):
+        if left:
+            raise RewriteError(f"{fa.rel}: rewriting only the accepted sites changes what the others need "
+                               f"({len(still)} site(s) still fixable, {len(left)} left by choice): "
+                               f"they go together")
+        raise RewriteError(f"{fa.rel}: the rewrite is not idempotent ({len(still)} site(s) still fixable, "
+                           f"first at line {still[0].line})")
     return again

@@ -7,7 +7,9 @@ git (``original_commit``: the commit apply started from, read with checkout
 filters) where git gives back exactly its bytes, and is otherwise kept as a
 byte-exact copy under ``.kvpatch/originals/`` (no git, untracked or dirty
 files). ``status``, ``revert``, ``verify`` and the upgrade audit work from
-these, with or without git.
+these, with or without git. ``declined`` (only when there are some) lists the
+sites ``apply -i`` was told to leave, which ``status`` then does not count as
+missing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from kvpatch.sites import PlanCall
 from kvpatch.safepath import UnsafePath, inside, is_link, read_regular, under, write_replace
 
 from kvpatch.names import JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE  # noqa: F401 - re-exported
@@ -38,6 +41,33 @@ class SiteRecord:
     line: int  # in the patched file
     original: str  # the statement before
     rewritten: str  # the statement after
+
+
+@dataclass
+class DeclinedRecord:
+    """A site or plan call `kvpatch apply -i` was told to leave (answer n):
+    status does not count it as missing; a later plain apply rewrites it."""
+
+    file: str
+    kind: str  # cast | plan
+    qualname: str
+    rule: str
+    line: int  # where it was when declined
+    statement: str  # its statement then, which identifies it (lines move)
+
+    @classmethod
+    def of(cls, rec) -> "DeclinedRecord":
+        kind = "plan" if isinstance(rec, PlanCall) else "cast"
+        return cls(rec.file, kind, rec.qualname, rec.rule or "", rec.line, rec.statement)
+
+    @property
+    def key(self) -> tuple:
+        return self.file, self.kind, self.qualname, self.rule, self.statement
+
+
+def declined_key(rec) -> tuple:
+    """A Site's or PlanCall's identity, as DeclinedRecord.key spells it."""
+    return DeclinedRecord.of(rec).key
 
 
 @dataclass
@@ -70,9 +100,13 @@ class State:
     files: List[FileRecord] = field(default_factory=list)
     runtime_files: List[RuntimeRecord] = field(default_factory=list)
     schema: str = SCHEMA
+    declined: List[DeclinedRecord] = field(default_factory=list)  # apply -i's "no" answers
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+        d = asdict(self)
+        if not self.declined:  # the record of a plain apply stays as before
+            del d["declined"]
+        return json.dumps(d, indent=2, sort_keys=False) + "\n"
 
     @classmethod
     def from_dict(cls, d: Dict) -> "State":
@@ -80,9 +114,10 @@ class State:
             raise ValueError(f"unknown state schema {d.get('schema')!r} (expected {SCHEMA})")
         files = [FileRecord(**{**f, "sites": [SiteRecord(**s) for s in f.get("sites", [])]}) for f in d["files"]]
         rts = [RuntimeRecord(**r) for r in d.get("runtime_files", [])]
+        declined = [DeclinedRecord(**x) for x in d.get("declined", [])]
         # "branch": always null, written by earlier kvpatch and never read: skipped.
-        rest = {k: v for k, v in d.items() if k not in ("files", "runtime_files", "branch")}
-        return cls(files=files, runtime_files=rts, **rest)
+        rest = {k: v for k, v in d.items() if k not in ("files", "runtime_files", "declined", "branch")}
+        return cls(files=files, runtime_files=rts, declined=declined, **rest)
 
 
 def state_dir(root: Path) -> Path:

@@ -4,6 +4,7 @@ the files' hashes and a fresh scan; no git needed."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -12,9 +13,9 @@ from kvpatch import lock, write
 from kvpatch.engine import scan_tree
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_DRIFT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from kvpatch.runtime import runtime_version
-from kvpatch.sites import NEEDS_ACTION, PLAN_REWRITE
+from kvpatch.sites import NEEDS_ACTION, PLAN_REWRITE, PlanCall
 from kvpatch.safepath import is_link, read_regular
-from kvpatch.state import load, sha256
+from kvpatch.state import declined_key, load, sha256
 
 NOT_PATCHED = "not patched"
 PATCHED = "patched"
@@ -124,6 +125,7 @@ def _verdict(root: Path, st, scan) -> Status:
             missing.append(Place(r.path, "runtime module is missing"))
         elif is_link(p) or not p.is_file() or sha256(read_regular(p)) != r.sha256:
             drift.append(Place(r.path, "runtime module was edited or replaced"))
+    fixable, declined = _declined(st, fixable)
     if drift:
         return Status(DRIFTED, drift + missing, "patched regions were edited since apply")
     if missing or fixable:
@@ -132,4 +134,22 @@ def _verdict(root: Path, st, scan) -> Status:
     detail = f"kvpatch {st.kvpatch_version}, ruleset {st.ruleset_version}, runtime {st.runtime_version}"
     if st.runtime_version != runtime_version():
         detail += f" (this kvpatch ships runtime {runtime_version()}: apply updates it)"
-    return Status(PATCHED, [], detail)
+    if declined:
+        casts = sum(1 for r in declined if not isinstance(r, PlanCall))
+        what = f"{casts} site(s)" + (f" and {len(declined) - casts} plan call(s)" if len(declined) > casts else "")
+        detail = f"{what} declined at `kvpatch apply -i` (a plain `kvpatch apply` rewrites them); " + detail
+    return Status(PATCHED, [Place(r.file, f"{r.qualname}: declined", r.line) for r in declined], detail)
+
+
+def _declined(st, fixable):
+    """(still to do, declined): the fixable records that apply -i was told to leave are not missing."""
+    left = Counter(d.key for d in st.declined)
+    todo, declined = [], []
+    for r in fixable:
+        k = declined_key(r)
+        if left[k] > 0:
+            left[k] -= 1
+            declined.append(r)
+        else:
+            todo.append(r)
+    return todo, declined
