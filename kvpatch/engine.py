@@ -40,6 +40,10 @@ class Decided:
     record: Union[Site, PlanCall]
     decision: Optional[Decision]
     rule: Optional[Rule]
+    # The candidate's call and its statement line in the unit's tree: the
+    # rewrite follows them into the new file to record where the site went.
+    node: Optional[cst.CSTNode] = None
+    statement: Optional[cst.CSTNode] = None
 
 
 @dataclass
@@ -297,7 +301,7 @@ def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_r
         kernel=consumer_names(cand.consumers, ctx), status=decision.status, reason=decision.reason,
         rule=rule.ID if rule else None, fixable=decision.fixable, notes=decision.notes)
     fa.sites.append(site)
-    fa.decided.append(Decided(site, decision, rule))
+    fa.decided.append(Decided(site, decision, rule, cand.call, ctx.line_statement(cand.call)))
 
 
 def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_rules) -> None:
@@ -321,12 +325,12 @@ def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_r
         statement=ctx.code(ctx.line_statement(cand.call)),
     )
     fa.plans.append(rec)
-    fa.decided.append(Decided(rec, decision, rule))
+    fa.decided.append(Decided(rec, decision, rule, cand.call, ctx.line_statement(cand.call)))
 
 
 # -- a whole tree (ScanResult: kvpatch.sites) -------------------------------
 def _scan_chunk(args) -> Tuple[int, List[FileRecords], List[FileError]]:
-    root, paths, select = args
+    root, paths, select, plan = args
     rules = load_rules(select)
     out: List[FileRecords] = []
     errs: List[FileError] = []
@@ -337,7 +341,11 @@ def _scan_chunk(args) -> Tuple[int, List[FileRecords], List[FileError]]:
         if isinstance(got, discover.ReadError):
             errs.append(FileError(got.rel, got.message))
             continue
-        out.append(analyze_source(got.rel, got.data, rules).records())
+        fa = analyze_source(got.rel, got.data, rules)
+        rec = fa.records()
+        if plan is not None and rec.fixable:
+            rec.planned = plan(fa, rules)
+        out.append(rec)
     return len(paths), out, errs
 
 
@@ -357,7 +365,12 @@ def _die_with_parent() -> None:
 
 def scan_tree(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
               progress: Optional[Callable[[int, int], None]] = None,
-              excluded: Optional[Callable[[str], bool]] = None) -> ScanResult:
+              excluded: Optional[Callable[[str], bool]] = None,
+              plan: Optional[Callable[[FileAnalysis, Sequence[Rule]], object]] = None) -> ScanResult:
+    """Analyse every candidate file of the tree (in worker processes for a big
+    one). `plan`, a module-level function, is called on each fixable file's
+    analysis where it was made; its answer travels back as `FileRecords.planned`
+    (apply's rewrites: so apply analyses each file once)."""
     t0 = time.perf_counter()
     root = root.resolve()
     paths = list(discover.iter_python_paths(root, excluded))
@@ -370,11 +383,11 @@ def scan_tree(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional
     errors: List[FileError] = []
     done = 0
     if jobs == 1:
-        results = map(_scan_chunk, [(root, c, select) for c in chunks])
+        results = map(_scan_chunk, [(root, c, select, plan) for c in chunks])
         executor = None
     else:
         executor = ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent)
-        results = executor.map(_scan_chunk, [(root, c, select) for c in chunks])
+        results = executor.map(_scan_chunk, [(root, c, select, plan) for c in chunks])
     try:
         for n, recs, errs in results:
             done += n

@@ -104,8 +104,7 @@ class UnitContext:
         return self.pu.line_of(node)
 
     def end_line(self, node: cst.CSTNode) -> int:
-        rel = self._positions[node].end.line
-        return rel - (1 if self.pu.header else 0) + self.unit.start - 1
+        return self.pu.file_line(self._positions[node].end.line)
 
     def column(self, node: cst.CSTNode) -> int:
         return self._positions[node].start.column

@@ -17,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvpatch import RULESET_VERSION, __version__, checkout, choose, originals, write
-from kvpatch.engine import analyze_source, scan_tree
+from kvpatch.engine import FileAnalysis, scan_tree
 from kvpatch.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
                              _is_state, _locked, _refuse_pending, _write_and_commit)  # PatchError: the CLI's
 from kvpatch.revert import RevertResult, revert, original as revert_original  # noqa: F401 - the CLI calls patch.revert
@@ -25,7 +25,7 @@ from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version
 from kvpatch.safepath import is_link, read_regular
-from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError, ScanResult
+from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError, PlanCall, ScanResult
 from kvpatch.state import (STATE_DIR, STATE_FILE, DeclinedRecord, FileRecord, RuntimeRecord, SiteRecord, State,
                            declined_key, load, sha256)
 
@@ -62,10 +62,9 @@ class Patch:
 
     def skipped(self) -> List:
         """Sites that stay as they are and need action, with their reasons."""
-        # The rewrites' records come from a second analysis: match them by place.
-        rewritten = {(s.file, s.line) for r in self.rewrites for s in r.sites}
-        rewritten |= {(s.file, s.line) for s in self.declined + self.unasked}
-        return [s for s in self.scan.sites if s.status in NEEDS_ACTION and (s.file, s.line) not in rewritten]
+        # The rewrites hold the scan's own records (one analysis per file).
+        left = {id(s) for r in self.rewrites for s in r.sites} | {id(s) for s in self.declined + self.unasked}
+        return [s for s in self.scan.sites if s.status in NEEDS_ACTION and id(s) not in left]
 
     @property
     def empty(self) -> bool:
@@ -119,7 +118,10 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
     """What apply writes. With `ask` (apply -i) each change is asked first and
     only the accepted ones are rewritten; with none accepted, nothing is written."""
     rules = load_rules(select)
-    scan = scan_tree(root, select, jobs, progress, excluded)
+    if ask is None:
+        scan = scan_tree(root, select, jobs, progress, excluded, plan=_rewrite)
+    else:  # the asking needs each fixable file's analysis itself: keep it in this process
+        scan = scan_tree(root, select, 1, progress, excluded, plan=_analysis)
     patch = Patch(scan.root, scan)
     # A *.py link was not read (it may lead out of the checkout): apply refuses it.
     links = [e for e in scan.errors if is_link(scan.root / e.file)]
@@ -127,26 +129,19 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
     patch.refused.extend(links)
     runtime_text = runtime_source().encode("utf-8")
     runtime_dirs: Dict[str, None] = {}
-    pending: List[Tuple[object, List[choose.Change]]] = []
+    pending: List[Tuple[FileAnalysis, List[choose.Change]]] = []
     for f in scan.files:
-        if not f.fixable:
-            continue
-        path = scan.root / f.rel
-        try:
-            fa = analyze_source(f.rel, path.read_bytes(), rules)
-            rw = plan_rewrite(fa, rules)
-        except RewriteError as exc:
-            patch.refused.append(FileError(f.rel, str(exc)))
-            continue
-        except OSError as exc:
-            patch.refused.append(FileError(f.rel, f"cannot read: {exc}"))
-            continue
-        if rw is None or not rw.changed:
-            continue
-        if ask is not None:
-            pending.append((fa, choose.changes(fa, rules, rw)))
-            continue
-        patch.rewrites.append(rw)
+        got = f.planned
+        if ask is not None and got is not None:
+            got = _rewrite(got, rules, keep_analysis=True)
+        if isinstance(got, FileError):
+            patch.refused.append(got)
+        elif isinstance(got, tuple):
+            fa, rw = got
+            if rw is not None and rw.changed:
+                pending.append((fa, choose.changes(fa, rules, rw)))
+        elif got is not None and got.changed:
+            patch.rewrites.append(got)
     if ask is not None:
         _ask(patch, rules, pending, ask)
     for rw in patch.rewrites:
@@ -164,6 +159,22 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
         if old != runtime_text:
             patch.runtimes.append(RuntimeWrite(rel, runtime_text, old))
     return patch
+
+
+def _rewrite(fa: FileAnalysis, rules, keep_analysis: bool = False):
+    """scan_tree's `plan` hook for apply, run where the file was analysed: its
+    rewrite, or the reason it is refused (with `keep_analysis`, paired with the
+    analysis that apply -i asks from)."""
+    try:
+        rw = plan_rewrite(fa, rules)
+    except RewriteError as exc:
+        return FileError(fa.rel, str(exc))
+    return (fa, rw) if keep_analysis else rw
+
+
+def _analysis(fa: FileAnalysis, rules) -> FileAnalysis:
+    """scan_tree's `plan` hook for apply -i (in this process): the analysis itself."""
+    return fa
 
 
 def _ask(patch: Patch, rules, pending, ask: choose.Asker) -> None:
@@ -199,24 +210,9 @@ class ApplyResult:
 
 
 def _site_records(rw: FileRewrite) -> List[SiteRecord]:
-    """Pair each rewritten statement with its statement in the new file."""
-    after = rw.after
-    out = []
-    new_sites = [s for s in after.sites if s.status == PATCHED]
-    for old in rw.sites:
-        match = next((s for s in new_sites if s.qualname == old.qualname), None)
-        if match is not None:
-            new_sites.remove(match)
-        out.append(SiteRecord(old.qualname, old.rule or "", "cast", match.line if match else old.line,
-                              old.statement, match.statement if match else ""))
-    new_plans = [p for p in after.plans if p.status == PLAN_PATCHED]
-    for old in rw.plans:
-        match = next((p for p in new_plans if p.qualname == old.qualname), None)
-        if match is not None:
-            new_plans.remove(match)
-        out.append(SiteRecord(old.qualname, old.rule or "", "plan", match.line if match else old.line,
-                              old.statement, match.statement if match else ""))
-    return out
+    """Each rewritten site and plan call, where the rewrite put it."""
+    return [SiteRecord(d.record.qualname, d.record.rule or "", "plan" if isinstance(d.record, PlanCall) else "cast",
+                       d.line, d.record.statement, d.statement) for d in rw.done]
 
 
 def commit_message(patch: Patch) -> str:
@@ -358,9 +354,8 @@ def _declined(patch: Patch, old_state: Optional[State]) -> List[DeclinedRecord]:
     """This apply's "no" answers, and the earlier ones whose site is still left
     unrewritten (an earlier -i's decline stands until a later apply rewrites it)."""
     new = [DeclinedRecord.of(r) for r in patch.declined]
-    done = {(s.file, s.line) for r in patch.rewrites for s in r.sites + r.plans}
-    left = Counter(declined_key(r) for r in patch.scan.sites + patch.scan.plans
-                   if r.fixable and (r.file, r.line) not in done)
+    done = {id(s) for r in patch.rewrites for s in r.sites + r.plans}
+    left = Counter(declined_key(r) for r in patch.scan.sites + patch.scan.plans if r.fixable and id(r) not in done)
     left.subtract(Counter(d.key for d in new))
     for d in old_state.declined if old_state else ():
         if left[d.key] > 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import libcst as cst
 
@@ -19,11 +19,22 @@ from kvpatch.codegen import IMPORT_LINE
 from kvpatch.engine import FileAnalysis, analyze_source
 from kvpatch.rule import InsertStatement, NeedRuntime, ReplaceNode, Rule
 from kvpatch.sites import PlanCall, Site
-from kvpatch.units import encode, splice
+from kvpatch.units import encode, ranges, splice
 
 
 class RewriteError(Exception):
     pass
+
+
+@dataclass
+class Rewritten:
+    """One rewritten site or plan call, followed through the transform: its
+    line in the new file and its statement as it now reads (apply records them
+    in the state, so status can tell a drifted edit from a kept one)."""
+
+    record: Union[Site, PlanCall]
+    line: int
+    statement: str
 
 
 @dataclass
@@ -35,7 +46,7 @@ class FileRewrite:
     needs_runtime: bool
     sites: List = field(default_factory=list)  # Site records rewritten
     plans: List = field(default_factory=list)  # PlanCall records rewritten
-    after: Optional[FileAnalysis] = field(default=None, repr=False)  # the check's audit of new_text
+    done: List[Rewritten] = field(default_factory=list)  # the same records, sites first, where they went
 
     @property
     def changed(self) -> bool:
@@ -44,18 +55,22 @@ class FileRewrite:
 
 class _Apply(cst.CSTTransformer):
     def __init__(self, replaces: Dict[cst.CSTNode, List], inserts: List[InsertStatement], func: cst.FunctionDef,
-                 newline: str) -> None:
+                 newline: str, follow: Set[cst.CSTNode]) -> None:
         super().__init__()
         self.replaces = replaces
         self.inserts = inserts
         self.func = func
         self.newline = newline
+        self.follow = follow
+        self.became: Dict[cst.CSTNode, cst.CSTNode] = {}  # followed node -> what it became
 
     def on_leave(self, original, updated):
         for build in self.replaces.get(original, ()):
             updated = build(updated)
         if original is self.func:
             updated = self._insert(original, updated)
+        if original in self.follow:
+            self.became[original] = updated
         return updated
 
     def _insert(self, original: cst.FunctionDef, updated: cst.FunctionDef):
@@ -131,42 +146,61 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule], keep: Optional[Sequenc
                 inserts.setdefault(e.unit, []).append(e)
         elif isinstance(e, NeedRuntime):
             needs_runtime = True
-    lines = list(fa.lines)
-    touched = sorted(set(by_unit) | set(inserts), key=lambda q: fa.units[q].unit.start, reverse=True)
-    for q in touched:
+    # Sites first, then plan calls, each once: the order apply records them in.
+    done = list({id(d.record): d for d, _ in edits}.values())
+    done.sort(key=lambda d: isinstance(d.record, PlanCall))
+    # Every change as (first line, last line, new lines), applied bottom-up so
+    # each one's line numbers still hold when it is applied.
+    changes: List[Tuple[int, int, List[str]]] = []
+    found: Dict[int, Tuple[str, int, str]] = {}  # id(decided) -> (unit, line in its new module, statement)
+    for q in set(by_unit) | set(inserts):
         pu = fa.units[q]
+        mine = [d for d in done if d.record.qualname == q]
+        follow = {n for d in mine for n in (d.node, d.statement) if n is not None}
+        apply = _Apply(by_unit.get(q, {}), inserts.get(q, []), pu.func, nl, follow)
         try:
-            new_module = pu.module.visit(_Apply(by_unit.get(q, {}), inserts.get(q, []), pu.func, nl))
+            new_module = pu.module.visit(apply)
         except Exception as exc:  # a builder failed: refuse the whole file
             raise RewriteError(f"{fa.rel}: rewriting {q} failed: {exc}") from exc
-        lines = splice(lines, pu.unit, pu.render(new_module))
+        where = ranges(new_module)
+        for d in mine:
+            node, stmt = apply.became.get(d.node), apply.became.get(d.statement)
+            at = where.get(node) or where.get(stmt)
+            if at is None or stmt is None:
+                raise RewriteError(f"{fa.rel}: the rewrite of {q} lost the statement at line {d.record.line}")
+            found[id(d)] = (q, at.start.line, new_module.code_for_node(stmt).strip())
+        changes.append((pu.unit.start, pu.unit.end, pu.render(new_module)))
     if needs_runtime and not fa.has_runtime_import:
-        lines = _add_import(lines, fa, nl)
+        at = fa.import_after_line or fa.first_stmt_docstring_end
+        # After a line (a multi-line import ends on the line ast reports), else on top.
+        changes.append((at + 1, at, [nl, IMPORT_LINE + nl]) if at else (1, 0, [IMPORT_LINE + nl, nl]))
+    lines = list(fa.lines)
+    for first, last, new in sorted(changes, key=lambda c: (c[0], c[1]), reverse=True):
+        lines = splice(lines, first, last, new)
     new_text = "".join(lines)
-    after = _check(fa, new_text, rules, [d.record for d in left])
-    sites = [d.record for d, _ in edits if isinstance(d.record, Site)]
-    plans = [d.record for d, _ in edits if isinstance(d.record, PlanCall)]
-    uniq = lambda xs: list({id(x): x for x in xs}.values())  # noqa: E731
+    _check(fa, new_text, rules, [d.record for d in left])
+
+    def moved(line: int) -> int:  # where an untouched line of the old file is now
+        return line + sum(len(new) - (last - first + 1) for first, last, new in changes if last < line)
+
+    rewritten = []
+    for d in done:
+        q, rel_line, statement = found[id(d)]
+        pu = fa.units[q]
+        rewritten.append(Rewritten(d.record, pu.file_line(rel_line, moved(pu.unit.start)), statement))
+    records = [d.record for d in done]
     return FileRewrite(fa.rel, fa.text, new_text, encode(new_text, fa.encoding, fa.bom), needs_runtime,
-                       uniq(sites), uniq(plans), after)
-
-
-def _add_import(lines: List[str], fa: FileAnalysis, nl: str) -> List[str]:
-    at = fa.import_after_line or fa.first_stmt_docstring_end
-    # A multi-line import ends on the line ast reports; insert after it.
-    if at:
-        return lines[:at] + [nl, IMPORT_LINE + nl] + lines[at:]
-    return [IMPORT_LINE + nl, nl] + lines
+                       [r for r in records if isinstance(r, Site)], [r for r in records if isinstance(r, PlanCall)],
+                       rewritten)
 
 
 def _fix_key(rec) -> tuple:
     return type(rec).__name__, rec.qualname, rec.rule
 
 
-def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule], left: Sequence = ()) -> FileAnalysis:
+def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule], left: Sequence = ()) -> None:
     """The rewritten file must parse, compile and leave nothing to fix but the
-    `left` records (the sites apply -i was told to leave); returns its audit
-    (apply records the rewritten statements from it)."""
+    `left` records (the sites apply -i was told to leave)."""
     try:
         compile(ast.parse(new_text), fa.rel, "exec")
     except SyntaxError as exc:
@@ -182,4 +216,3 @@ def _check(fa: FileAnalysis, new_text: str, rules: Sequence[Rule], left: Sequenc
                                f"they go together")
         raise RewriteError(f"{fa.rel}: the rewrite is not idempotent ({len(still)} site(s) still fixable, "
                            f"first at line {still[0].line})")
-    return again

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 # Site statuses.
 HOT = "hot"  # casts a whole layer pool; a rule rewrites it, or none does yet
@@ -111,6 +111,9 @@ class FileRecords:
     plans: List[PlanCall]
     errors: List[FileError]
     fixable: bool
+    # What scan_tree's `plan` hook made of this file when fixable (apply: its
+    # rewrite, made where the file was analysed, holding these same records).
+    planned: Any = None
 
 
 @dataclass

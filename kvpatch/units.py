@@ -73,6 +73,14 @@ class _PositionState(CodegenState):
             self.ranges[node] = CodeRange(start, end)
 
 
+def ranges(module: cst.Module) -> Dict[cst.CSTNode, CodeRange]:
+    """The ranges of the positioned node kinds in `module` (one codegen pass;
+    libcst's PositionProvider would build metadata for every node)."""
+    state = _PositionState(default_indent=module.default_indent, default_newline=module.default_newline)
+    module._codegen(state)
+    return state.ranges
+
+
 _FIELDS: Dict[type, Tuple[str, ...]] = {}
 
 
@@ -124,10 +132,7 @@ class ParsedUnit:
 
     def positions(self) -> "_Positions":
         if self._ranges is None:
-            state = _PositionState(default_indent=self.module.default_indent,
-                                   default_newline=self.module.default_newline)
-            self.module._codegen(state)
-            self._ranges = state.ranges
+            self._ranges = ranges(self.module)
         return _Positions(self)
 
     def parents(self) -> Dict[cst.CSTNode, cst.CSTNode]:
@@ -137,11 +142,15 @@ class ParsedUnit:
 
     def line_of(self, node: cst.CSTNode) -> int:
         """1-based line of node in the original file."""
-        rel = self.positions()[node].start.line
-        return rel - (1 if self.header else 0) + self.unit.start - 1
+        return self.file_line(self.positions()[node].start.line)
 
     def code_for(self, node: cst.CSTNode) -> str:
         return self.module.code_for_node(node)
+
+    def file_line(self, rel_line: int, start: Optional[int] = None) -> int:
+        """A 1-based line of this unit's module (header included) as a line of the
+        file, the unit starting at `start` (default: where it started when parsed)."""
+        return rel_line - (1 if self.header else 0) + (self.unit.start if start is None else start) - 1
 
     def render(self, new_module: cst.Module) -> List[str]:
         """The unit's new lines (header removed), with their line endings."""
@@ -228,10 +237,10 @@ def parse_unit(lines: List[str], unit: Unit) -> ParsedUnit:
     return pu
 
 
-def splice(lines: List[str], unit: Unit, new_lines: List[str]) -> List[str]:
-    """Replace the unit's line range; keep a missing final newline missing."""
-    old_last = lines[unit.end - 1]
-    if not old_last.endswith(("\n", "\r")) and new_lines:
+def splice(lines: List[str], first: int, last: int, new_lines: List[str]) -> List[str]:
+    """Replace lines first..last (1-based, inclusive; last = first - 1 inserts
+    before `first`); a replaced range that ended the file without a newline
+    keeps it missing."""
+    if last >= first and last == len(lines) and not lines[last - 1].endswith(("\n", "\r")) and new_lines:
         new_lines = new_lines[:-1] + [new_lines[-1].rstrip("\r\n")]
-    return lines[: unit.start - 1] + new_lines + lines[unit.end :]
-
+    return lines[: first - 1] + new_lines + lines[last:]
