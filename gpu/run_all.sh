@@ -20,6 +20,7 @@ for s in $steps; do
     gather) python3 benchmarks/bench_gather.py --out "$OUT/bench_gather.json" 2>&1 | tee "$OUT/bench_gather.log" ;;
     gather_quick) python3 benchmarks/bench_gather.py --no-sweep --out "$OUT/bench_gather.json" 2>&1 | tee "$OUT/bench_gather.log" ;;
     pages) python3 benchmarks/bench_pages.py --out "$OUT/bench_pages.json" 2>&1 | tee "$OUT/bench_pages.log" ;;
+    sweep) python3 benchmarks/sweep_pages.py --out "$OUT/sweep_pages.json" 2>&1 | tee "$OUT/sweep_pages.log" ;;
     verify) python3 gpu/verify_real.py .gpu_payload/* 2>&1 | tee "$OUT/verify_real.log" ;;
     unified) python3 gpu/verify_real.py --unified --out "$OUT/unified" .gpu_payload/rel-0.5.2* 2>&1 | tee "$OUT/verify_unified.log" ;;
     dcp) python3 gpu/verify_real.py --dcp 2 --dcp-rank 1 --out "$OUT/dcp" .gpu_payload/rel-0.5.17 .gpu_payload/rel-0.5.2* 2>&1 | tee "$OUT/verify_dcp.log" ;;
