@@ -240,7 +240,7 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     for e in errors:
         out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
     built.scan.seconds = time.perf_counter() - t0
-    out.info(report.summary_line("apply", built.scan, f"; {len(res.written)} file(s) written"))
+    out.info(report.apply_summary_line(built, f"; {len(res.written)} file(s) written"))
     if errors:  # the safe files were written; the named ones were skipped
         sys.exit(EXIT_PARTIAL if res.written else EXIT_ERROR)
     sys.exit(EXIT_OK)

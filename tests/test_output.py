@@ -117,3 +117,36 @@ def test_a_styled_block_closes_its_colour_on_every_line():
     text = out.style("first line\nsecond line\n", fg="red")
     assert all(ln.endswith(ESC + "0m") for ln in text.split("\n") if ln), repr(text)
     assert text.endswith("\n")
+
+
+def _site_counts(line: str) -> str:
+    """'1 no-op, 3 patched, 1 unsupported' out of a summary line's 'sites: ...;'."""
+    return line.split("sites: ", 1)[1].split(";", 1)[0]
+
+
+def test_apply_summary_gives_the_counts_after_apply(example):
+    before = run("audit", example).output.splitlines()[-1]
+    assert "3 hot" in before, before
+    r = run("apply", example)
+    assert r.exit_code == 0, r.output
+    last = r.output.splitlines()[-1]
+    assert last.startswith("kvpatch apply: ") and "after apply: sites: " in last, last
+    assert "3 hot" not in last and "0 hot left" in last and "3 plan call(s): 3 patched" in last, last
+    after = run("audit", example).output.splitlines()[-1]  # what a re-audit finds
+    assert _site_counts(last) == _site_counts(after) + ", 0 hot left", (last, after)
+
+
+def test_apply_summary_after_a_declined_change_counts_it_hot(example):
+    """apply -i: the declined change's site stays hot; the accepted ones are patched."""
+    from kvpatch import choose, patch as P
+    from kvpatch.report import applied_counts, apply_summary_line
+
+    def ask(changes):  # the FA3 site (a change of its own) declined, everything else accepted
+        no = {i for i, c in enumerate(changes) if c.rel.endswith("/flashattention_backend.py")}
+        assert len(no) == 1, [c.rel for c in changes]
+        return choose.Selection(accepted=set(range(len(changes))) - no, declined=no)
+
+    built = P.build(example, ask=ask)
+    sites, plans = applied_counts(built)
+    assert sites["hot"] == 1 and sites["patched"] == 2 and plans["patched"] == 3
+    assert "2 patched, 1 unsupported, 1 hot left; 3 plan call(s): 3 patched" in apply_summary_line(built)
