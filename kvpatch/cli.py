@@ -118,7 +118,8 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
     if new_path or against:
         from kvpatch import upgrade
 
-        sys.exit(upgrade.cli_audit(out, root, new_path, against, as_json, as_sarif, output, select, jobs))
+        # The config found from PATH (OLD) and its exclude hold for both trees.
+        sys.exit(upgrade.cli_audit(out, root, new_path, against, as_json, as_sarif, output, select, jobs, excluded))
     from kvpatch import report
     from kvpatch.engine import scan_tree
 
