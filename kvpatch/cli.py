@@ -23,6 +23,9 @@ from kvpatch.cli_out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatc
 from kvpatch.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
 
 
+JOBS_HELP = "Worker processes (default: [tool.kvpatch] jobs in pyproject.toml, else up to 2)."
+
+
 class _Main(click.Group):
     """The command group: an unexpected exception is a one-line error with exit 2
     (CI must not read a crash as a finding, exit 1); -v shows the traceback."""
@@ -89,7 +92,7 @@ def main(ctx, color, quiet, verbose):
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write the JSON/SARIF/table to this file instead of stdout.")
 @click.option("--against", metavar="REF", help="Upgrade audit: compare with git REF of the same checkout.")
-@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help=JOBS_HELP)
 @click.option("-q", "--quiet", "quiet", is_flag=True, help="Only results and errors (as `kvpatch -q audit`).")
 @click.option("-v", "--verbose", "verbose", count=True, help="Each site's statement too (as `kvpatch -v audit`).")
 @_rules_opt
@@ -160,7 +163,7 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 @click.option("--no-verify", is_flag=True, help="Commit without running git's pre-commit and commit-msg hooks.")
 @click.option("-i", "--interactive", is_flag=True,
               help="Show each change's hunk and ask: [y]es / [n]o / [a]ll remaining / [q]uit.")
-@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help=JOBS_HELP)
 @_rules_opt
 @click.pass_obj
 def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_verify, jobs, rules, interactive=False):
