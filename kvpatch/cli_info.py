@@ -8,7 +8,7 @@ import time
 
 import click
 
-from kvpatch.cli_out import CONTEXT, Out, _root, _settings
+from kvpatch.cli_out import CONTEXT, Out, _root, _settings, rule_source
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK
 
 # -- rules -------------------------------------------------------------------
@@ -46,6 +46,8 @@ def rules_cmd(out: Out, path, as_json):
         out.echo(f"        {r.SUMMARY}")
         out.echo(f"        examples: {len(r.VALID)} valid, {len(r.INVALID)} invalid; "
                  f"checked on {len(r.CHECKED_ON)} SGLang commits")
+        if out.verbose:  # where the rule came from
+            out.echo(f"        from: {rule_source(r) or 'built-in (kvpatch.rules)'}")
     n_fix = sum(1 for r in rs if r.fixes)
     n_off = sum(1 for r in rs if not r.enabled)
     out.info(f"kvpatch rules: {len(rs)} rule(s), {n_fix} rewrite, {len(rs) - n_fix} report only"

@@ -150,3 +150,59 @@ def test_apply_summary_after_a_declined_change_counts_it_hot(example):
     sites, plans = applied_counts(built)
     assert sites["hot"] == 1 and sites["patched"] == 2 and plans["patched"] == 3
     assert "2 patched, 1 unsupported, 1 hot left; 3 plan call(s): 3 patched" in apply_summary_line(built)
+
+
+# -- -v and -vv ----------------------------------------------------------------------
+FA3 = "python/sglang/srt/layers/attention/flashattention_backend.py"
+
+
+def _debug(r):
+    return [ln for ln in r.output.splitlines() if ln.startswith("debug: ")]
+
+
+def test_v_and_vv_of_audit_say_different_specific_things(example):
+    v, vv = run("audit", "-v", example), run("-vv", "audit", example)
+    assert v.exit_code == vv.exit_code == 1
+    assert not _debug(v)  # -v: the sites' statements, no diagnostics
+    statement = "k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)"
+    assert statement in v.stdout and vv.stdout == v.stdout  # -vv adds to stderr only
+    d = _debug(vv)
+    assert d[0] == "debug: config: none (no pyproject.toml with [tool.kvpatch] walking up from PATH)"
+    assert "debug: rule KVP101 (flashinfer-mla-pool-cast): built-in" in d
+    assert f"debug: scan of {example.resolve()}: 5 file(s) scanned, 4 candidate(s)" in d
+    assert f"debug:   {FA3}: 1 site(s), 0 plan call(s)" in d
+    assert d[-1].startswith("debug: time: scan ") and d[-1].endswith("s")
+    assert not _debug(run("-q", "-vv", "audit", example))  # -q silences them
+
+
+def test_v_and_vv_of_apply_say_different_specific_things(example, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(example, other)
+    plain, v, vv = run("apply", "--dry-run", example), run("-v", "apply", example), run("-vv", "apply", other)
+    assert plain.exit_code == v.exit_code == vv.exit_code == 0, (v.output, vv.output)
+    line = f"  rewritten {FA3}:23 FlashAttentionBackend.forward_decode [KVP103, decode, flashattention]: "
+    assert line in v.output and not _debug(v)
+    assert "  would be rewritten " not in plain.output  # -v only
+    assert line in vv.output
+    assert sum(ln.startswith("  rewritten ") for ln in v.output.splitlines()) == 6  # 3 casts, 3 plan calls
+    times = [ln for ln in _debug(vv) if ln.startswith("debug: time: ")]
+    assert len(times) == 1 and [p.split()[0] for p in times[0][len("debug: time: "):].split(", ")] == \
+        ["scan", "plan+rewrite", "write"], times
+    rv = run("-v", "revert", example)
+    assert f"  restored {FA3}" in rv.output and not _debug(rv)
+    rvv = run("-vv", "revert", other)
+    assert [ln for ln in _debug(rvv) if ln.startswith("debug: time: revert ")]
+
+
+def test_v_and_vv_of_rules_and_the_help_documents_both(tmp_path):
+    from test_plugin import RULE
+
+    (tmp_path / "scratch_rule.py").write_text(RULE)
+    v = CliRunner().invoke(main, ["-v", "rules"], env={"KVPATCH_RULES_PATH": str(tmp_path)})
+    assert "        from: built-in (kvpatch.rules)" in v.output and not _debug(v)
+    assert f"        from: {tmp_path / 'scratch_rule.py'}" in v.output, v.output
+    vv = CliRunner().invoke(main, ["-vv", "rules"], env={"KVPATCH_RULES_PATH": str(tmp_path)})
+    assert f"debug: rule KVP901 (scratch-kernel-cast): {tmp_path / 'scratch_rule.py'}" in _debug(vv)
+    text = " ".join(run("--help").output.split())
+    assert "-v each item's detail: audit, each site's statement" in text
+    assert "-vv -v, plus diagnostics on stderr, each line `debug: ...`" in text

@@ -697,3 +697,17 @@ def test_against_ref_honours_the_configs_exclude(tmp_path):
     doc = upgrade_json(root, "--against", "HEAD")
     assert not [e for e in doc["sites"] if e["file"] == FA] and doc["exit_code"] == 0, doc["sites"]
     assert one(doc, DECODE)["category"] == "unchanged"
+
+
+def test_vv_of_the_upgrade_audit_gives_each_trees_files_and_the_phase_times(tmp_path):
+    old, new = pair(tmp_path, {FA: FA_SRC})
+    v, vv = run("-v", "audit", old, new), run("-vv", "audit", old, new)
+    assert v.exit_code == vv.exit_code == 1
+    assert "unchanged      " in v.stdout and vv.stdout == v.stdout  # -v: the unchanged entries listed
+    debug = [ln for ln in vv.output.splitlines() if ln.startswith("debug: ")]
+    assert not [ln for ln in v.output.splitlines() if ln.startswith("debug: ")]
+    assert f"debug: scan of {old.resolve()}: 3 file(s) scanned, 2 candidate(s)" in debug, debug
+    assert f"debug:   {FA}: 1 site(s), 0 plan call(s)" in debug  # only the new tree has FA3
+    times = [ln for ln in debug if ln.startswith("debug: time: ")]
+    assert len(times) == 1 and times[0].startswith("debug: time: old-tree scan ") \
+        and ", new-tree scan " in times[0] and ", plan+rewrite+compare " in times[0], times

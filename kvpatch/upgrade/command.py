@@ -49,6 +49,11 @@ def cli_audit(out, root: Path, new_path: Optional[str], against: Optional[str], 
     except OSError as exc:
         out.error(f"upgrade audit failed: {exc}")
         return EXIT_ERROR
+    if out.verbose >= 2:  # -vv: each tree's candidate files, and the phases' times
+        out.scanned(up.old.scan)
+        out.scanned(up.new.scan)
+        out.times(("old-tree scan", up.old.scan.seconds), ("new-tree scan", up.new.scan.seconds),
+                  ("plan+rewrite+compare", up.seconds - up.old.scan.seconds - up.new.scan.seconds))
     if as_json:
         text = json.dumps(up.to_dict(), indent=2) + "\n"
     elif as_sarif:
