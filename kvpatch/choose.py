@@ -12,6 +12,7 @@ prompt itself lives in kvpatch/cli_ask.py; nothing here reads a terminal.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Set
 
@@ -53,8 +54,24 @@ class Change:
             if ln.startswith("@@"):
                 hunks.append([])
             hunks[-1].append(ln if ln.endswith("\n") else ln + "\n\\ No newline at end of file\n")
-        kept = [h for h in hunks if not _only_import(h)]
+        kept, hidden = [], 0
+        for h in hunks:
+            if _only_import(h):  # hidden: the hunks after it would name new-side lines 1-2 too far
+                hidden += sum(1 for ln in h[1:] if ln[:1] == "+")
+            else:
+                kept.append([_shift_new(h[0], hidden)] + h[1:])
         return "".join(head + [ln for h in kept for ln in h])
+
+
+_HUNK_HEAD = re.compile(r"^@@ -(\d+(?:,\d+)?) \+(\d+)((?:,\d+)?) @@")
+
+
+def _shift_new(header: str, by: int) -> str:
+    """A hunk's @@ line with its new-side start `by` lines earlier: the numbers of
+    the file as written, less the runtime import's hunk that is not shown."""
+    if not by:
+        return header
+    return _HUNK_HEAD.sub(lambda m: f"@@ -{m[1]} +{max(int(m[2]) - by, 0)}{m[3]} @@", header, count=1)
 
 
 def _only_import(hunk: List[str]) -> bool:

@@ -20,42 +20,11 @@ import click
 from kvpatch import __version__
 from kvpatch.cli_out import CLEAR_LINE, CONTEXT, Out, _check_rules, _root, _rules_opt, _split  # noqa: F401
 from kvpatch.cli_out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
+from kvpatch.cli_out import _Main, _exit_help, apply_counts
 from kvpatch.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
 
 
-class _Main(click.Group):
-    """The command group: an unexpected exception is a one-line error with exit 2
-    (CI must not read a crash as a finding, exit 1); -v shows the traceback."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, SystemExit):
-            raise
-        except BrokenPipeError:  # `kvpatch ... | head`: the reader is gone; say nothing more
-            # Point stdout at /dev/null so the interpreter's flush at exit cannot raise again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            ctx.exit(EXIT_BROKEN_PIPE)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM raised as one by the writer
-            click.echo("Error: interrupted", err=True)
-            ctx.exit(EXIT_USER_INTERRUPT)
-        except Exception as exc:  # noqa: BLE001 - the one place a crash becomes an exit code
-            verbose = getattr(ctx.obj, "verbose", 0)
-            if verbose:
-                click.echo(traceback.format_exc(), err=True, nl=False)
-            where = f" in `kvpatch {ctx.invoked_subcommand}`" if ctx.invoked_subcommand else ""
-            click.echo(f"Error: kvpatch crashed{where}: {type(exc).__name__}: {exc}"
-                       + ("" if verbose else " (run with -v for the traceback)"), err=True)
-            ctx.exit(EXIT_ERROR)
-
-
-def _exit_help(cmd: click.Command) -> None:
-    """Append the command's exit codes, from exitcodes.WHAT, to its --help."""
-    codes = WHAT.get(cmd.name)
-    if codes:
-        # Indented like the docstrings, so click's dedent keeps both aligned.
-        lines = "\n".join(f"      {code:<3} {what}" for code, what in sorted(codes.items()))
-        cmd.help = (cmd.help or "").rstrip() + "\n\n    \b\n    Exit codes:\n" + lines
+JOBS_HELP = "Worker processes (default: [tool.kvpatch] jobs in pyproject.toml, else up to 2)."
 
 
 @click.group(cls=_Main, context_settings=CONTEXT)
@@ -63,7 +32,8 @@ def _exit_help(cmd: click.Command) -> None:
 @click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True,
               help="Colour output; auto colours only a terminal and honours NO_COLOR.")
 @click.option("-q", "--quiet", is_flag=True, help="Only results and errors; no progress or notices.")
-@click.option("-v", "--verbose", count=True, help="More detail (repeatable).")
+@click.option("-v", "--verbose", count=True,
+              help="-v: each item's detail, and a crash's traceback; -vv: also diagnostics on stderr (see above).")
 @click.pass_context
 def main(ctx, color, quiet, verbose):
     """Find, rewrite and verify full-pool FP8 KV-cache casts in an SGLang checkout.
@@ -74,6 +44,18 @@ def main(ctx, color, quiet, verbose):
     kvpatch apply ~/sglang             rewrite, on a new git branch, one commit
     kvpatch verify ~/sglang            attention equivalence of the patch (GPU)
     kvpatch revert ~/sglang            back to the original bytes
+
+    \b
+    -v   each item's detail: audit, each site's statement (the upgrade audit:
+         the unchanged entries and whole reasons); apply, each site and plan
+         call rewritten with its rule; revert, each file restored or removed;
+         rules, the file a local rule came from; test, each passing example;
+         and the traceback of a crash (every command).
+    -vv  -v, plus diagnostics on stderr, each line `debug: ...`: the config
+         file and the rules loaded, where from and whether selected (audit,
+         apply, status, rules, test, config); for audit and apply each
+         candidate file scanned (both trees in the upgrade audit) and each
+         phase's time (scan, plan+rewrite, write); status's and revert's time.
 
     Shell completion: eval "$(_KVPATCH_COMPLETE=bash_source kvpatch)" (zsh_source, fish_source).
     """
@@ -89,9 +71,11 @@ def main(ctx, color, quiet, verbose):
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
               help="Write the JSON/SARIF/table to this file instead of stdout.")
 @click.option("--against", metavar="REF", help="Upgrade audit: compare with git REF of the same checkout.")
-@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help=JOBS_HELP)
 @click.option("-q", "--quiet", "quiet", is_flag=True, help="Only results and errors (as `kvpatch -q audit`).")
-@click.option("-v", "--verbose", "verbose", count=True, help="Each site's statement too (as `kvpatch -v audit`).")
+@click.option("-v", "--verbose", "verbose", count=True,
+              help="Each site's statement too; -vv: also the config, rules, files scanned and times "
+                   "(as `kvpatch -v audit`).")
 @_rules_opt
 @click.pass_obj
 def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, rules, quiet=False, verbose=0):
@@ -118,7 +102,8 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
     if new_path or against:
         from kvpatch import upgrade
 
-        sys.exit(upgrade.cli_audit(out, root, new_path, against, as_json, as_sarif, output, select, jobs))
+        # The config found from PATH (OLD) and its exclude hold for both trees.
+        sys.exit(upgrade.cli_audit(out, root, new_path, against, as_json, as_sarif, output, select, jobs, excluded))
     from kvpatch import report
     from kvpatch.engine import scan_tree
 
@@ -126,10 +111,15 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
         from kvpatch.patch import build
         from kvpatch.sarif_fixes import fixes_by_site
 
+        t0 = time.perf_counter()
         built = build(root, select, jobs, out.progress(), excluded)
         scan, fixes = built.scan, fixes_by_site(built)
+        out.scanned(scan)
+        out.times(("scan", scan.seconds), ("plan+rewrite", time.perf_counter() - t0 - scan.seconds))
     else:
         scan, fixes = scan_tree(root, select, jobs, out.progress(), excluded), {}
+        out.scanned(scan)
+        out.times(("scan", scan.seconds))
     if as_json:
         text = report.to_json(scan)
     elif as_sarif:
@@ -159,7 +149,7 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 @click.option("--no-verify", is_flag=True, help="Commit without running git's pre-commit and commit-msg hooks.")
 @click.option("-i", "--interactive", is_flag=True,
               help="Show each change's hunk and ask: [y]es / [n]o / [a]ll remaining / [q]uit.")
-@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help="Worker processes (default: 2).")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help=JOBS_HELP)
 @_rules_opt
 @click.pass_obj
 def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_verify, jobs, rules, interactive=False):
@@ -196,6 +186,8 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback
         out.error(f"{exc}")
         sys.exit(EXIT_ERROR)
+    t_built, t_scan = time.perf_counter(), built.scan.seconds
+    out.scanned(built.scan)
     errors = built.scan.all_errors + built.refused
     if ask is not None and built.changes and not built.rewrites:  # none accepted: nothing is written
         out.echo(cli_ask.answered(built) + "; nothing written")
@@ -203,7 +195,8 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
             out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
         sys.exit(EXIT_ERROR if errors else EXIT_OK)
     if dry_run:  # the counts first, then the diff; a runtime file is one line unless --runtime-diff
-        _apply_counts(out, built, written=False)
+        out.times(("scan", t_scan), ("plan+rewrite", t_built - t0 - t_scan))
+        apply_counts(out, built, written=False, answered=_answered(built))
         diff = built.diff(color=out.color_out, runtimes=runtime_diff)
         for line in diff.rstrip("\n").split("\n") if diff else ():
             out.echo(line)  # line by line: a reader that stops early (`| head`) is noticed at once
@@ -229,38 +222,29 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     except KeyboardInterrupt:
         out.error("interrupted: every file was rolled back")
         sys.exit(EXIT_USER_INTERRUPT)
+    out.times(("scan", t_scan), ("plan+rewrite", t_built - t0 - t_scan),
+              ("write", time.perf_counter() - t_built))
     if res.notice and res.written:  # with nothing written, the line below says it (once)
         out.info(res.notice)
     if not res.written:
         out.echo("nothing to do: every fixable site is already patched")
     else:
-        _apply_counts(out, built, written=True)
+        apply_counts(out, built, written=True, answered=_answered(built))
         if res.branch:
             out.echo(f"branch {res.branch}, commit {res.commit[:12]}")
     for e in errors:
         out.error(f"{e.file}{':' + str(e.line) if e.line else ''}: {e.message}")
     built.scan.seconds = time.perf_counter() - t0
-    out.info(report.summary_line("apply", built.scan, f"; {len(res.written)} file(s) written"))
+    out.info(report.apply_summary_line(built, f"; {len(res.written)} file(s) written"))
     if errors:  # the safe files were written; the named ones were skipped
         sys.exit(EXIT_PARTIAL if res.written else EXIT_ERROR)
     sys.exit(EXIT_OK)
 
 
-def _apply_counts(out: Out, built, written: bool) -> None:
-    verb = "rewritten" if written else "would be rewritten"
-    if built.answers is not None:
-        from kvpatch.cli_ask import answered
+def _answered(built) -> str:
+    from kvpatch.cli_ask import answered
 
-        out.echo(answered(built))
-    out.echo(f"files changed: {len(built.rewrites)}; sites {verb}: {built.sites_rewritten}; "
-             f"plan calls retargeted: {built.plans_rewritten}; runtime files: {len(built.runtimes)}")
-    skipped = built.skipped()
-    if skipped:
-        out.echo(f"sites skipped: {len(skipped)}")
-        for s in skipped:
-            out.echo(f"  {s.file}:{s.line} {s.qualname} [{s.status}]: {s.reason}")
-    for e in built.refused:
-        out.echo(f"  refused {e.file}: {e.message}")
+    return answered(built) if built.answers is not None else ""
 
 
 # -- revert / recover ----------------------------------------------------------
@@ -293,6 +277,12 @@ def revert(out: Out, path, force, no_commit, allow_dirty, no_verify):
         out.info(res.notice)
     for rel in res.kept_edits:
         out.echo(f"{rel}: edited since apply; kvpatch's rewrite taken back, your edits kept")
+    if out.verbose:
+        for rel in res.restored:
+            out.echo(f"  restored {rel}")
+        for rel in res.removed:
+            out.echo(f"  removed {rel}")
+    out.times(("revert", time.perf_counter() - t0))
     out.echo(f"restored {len(res.restored)} file(s), removed {len(res.removed)} runtime file(s)"
              + (f"; commit {res.commit[:12]}" if res.commit else ""))
     out.info(f"kvpatch revert: {len(res.restored)} restored, {len(res.removed)} removed; "
@@ -380,6 +370,7 @@ def status(out: Out, path, as_json):
     except ValueError as exc:
         out.error(str(exc))
         sys.exit(EXIT_ERROR)
+    out.times(("status", time.perf_counter() - t0))
     if as_json:
         out.echo(json.dumps(st.to_dict(), indent=2))
     else:

@@ -8,38 +8,50 @@ import time
 
 import click
 
-from kvpatch.cli_out import CONTEXT, Out, _root, _settings
+from kvpatch.cli_out import CONTEXT, Out, _root, _settings, rule_source
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK
 
 # -- rules -------------------------------------------------------------------
 @click.command(name="rules", context_settings=CONTEXT)
+@click.argument("path", default=".", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="JSON output.")
 @click.pass_obj
-def rules_cmd(out: Out, as_json):
+def rules_cmd(out: Out, path, as_json):
     """List the rules, what each finds or rewrites, and where it was checked.
 
+    Reads the [tool.kvpatch] config found walking up from PATH (default: the
+    current folder), as audit does: its rules-path folders' rules are listed
+    with the built-in ones, and a rule its `rules` does not select is marked
+    `not selected` (it still decides, but apply does not rewrite its sites).
+
     \b
-    Example:  kvpatch rules
+    Example:  kvpatch rules ~/sglang
     """
     import json
 
     from kvpatch.rule import load_rules
 
-    rs = load_rules()
+    cfg = _settings(path, out)  # loads the config's rules-path for this command
+    rs = load_rules(cfg.rules.value)
     if as_json:
         out.echo(json.dumps([{"id": r.ID, "name": r.NAME, "kind": r.KIND, "summary": r.SUMMARY,
-                              "fixes": r.fixes, "checked_on": list(r.CHECKED_ON),
+                              "fixes": r.fixes, "checked_on": list(r.CHECKED_ON), "selected": r.enabled,
                               "examples": {"valid": len(r.VALID), "invalid": len(r.INVALID)}} for r in rs],
                             indent=2))
         sys.exit(EXIT_OK)
     for r in rs:
         kind = "rewrites" if r.fixes else "reports"
-        out.echo(f"{out.style(r.ID, bold=True)}  {r.NAME}  ({r.KIND}, {kind})")
+        off = "" if r.enabled else f"  [not selected by {cfg.rules.source}]"
+        out.echo(f"{out.style(r.ID, bold=True)}  {r.NAME}  ({r.KIND}, {kind}){off}")
         out.echo(f"        {r.SUMMARY}")
         out.echo(f"        examples: {len(r.VALID)} valid, {len(r.INVALID)} invalid; "
                  f"checked on {len(r.CHECKED_ON)} SGLang commits")
+        if out.verbose:  # where the rule came from
+            out.echo(f"        from: {rule_source(r) or 'built-in (kvpatch.rules)'}")
     n_fix = sum(1 for r in rs if r.fixes)
-    out.info(f"kvpatch rules: {len(rs)} rule(s), {n_fix} rewrite, {len(rs) - n_fix} report only")
+    n_off = sum(1 for r in rs if not r.enabled)
+    out.info(f"kvpatch rules: {len(rs)} rule(s), {n_fix} rewrite, {len(rs) - n_fix} report only"
+             + (f"; {n_off} not selected by the config" if n_off else ""))
     sys.exit(EXIT_OK)
 
 
@@ -49,11 +61,13 @@ def rules_cmd(out: Out, as_json):
 @click.option("--json", "as_json", is_flag=True, help="JSON output: [{setting, value, source}].")
 @click.pass_obj
 def config_cmd(out: Out, path, as_json):
-    """Show the settings audit and apply use on PATH, and where each comes from.
+    """Show the settings kvpatch uses on PATH, and where each comes from.
 
     The config is the [tool.kvpatch] table of the first pyproject.toml found
     walking up from PATH (default: the current folder); command-line options
-    override it. Each setting's source is that file and key, an environment
+    override it. audit (the upgrade audit too), apply and status read it
+    (status: exclude only); `kvpatch rules PATH` and `kvpatch test --path PATH`
+    read its rules and rules-path. Each setting's source is that file and key, an environment
     variable, or `default`.
 
     \b

@@ -17,21 +17,27 @@ from kvpatch.rule import RULES_PATH_ENV
 @click.argument("rule_ids", nargs=-1, metavar="[RULE]...")
 @click.option("--rules-path", "rules_path", multiple=True, type=click.Path(exists=True, file_okay=False),
               help=f"Also load the rules in this folder (repeatable; as ${RULES_PATH_ENV}).")
+@click.option("--path", "config_from", default=".", show_default=True, type=click.Path(exists=True),
+              help="Read the [tool.kvpatch] config found walking up from here (its rules-path and rules).")
 @click.pass_obj
-def test_cmd(out, rule_ids, rules_path):
+def test_cmd(out, rule_ids, rules_path, config_from="."):
     """Check rules against their own VALID and INVALID examples.
 
     Every example runs with all rules loaded and with the rule alone; an
     INVALID example with expected code must rewrite to exactly that code,
     re-audit as patched and not change on a second apply. RULE is an ID or a
-    NAME (default: every rule, local ones included).
+    NAME (default: the config's `rules`, else every rule, local ones included).
+    The config's rules-path folders load too, as for audit.
 
     \b
     Example:  kvpatch test --rules-path ./my_rules KVP901
     """
     from kvpatch import ruletest
+    from kvpatch.cli_out import _settings
     from kvpatch.rule import load_rules
 
+    cfg = _settings(config_from, out)  # loads the config's rules-path for this command
+    rule_ids = tuple(rule_ids) or tuple(cfg.rules.value or ())
     before = os.environ.get(RULES_PATH_ENV)
     if rules_path:
         os.environ[RULES_PATH_ENV] = os.pathsep.join([*rules_path, *filter(None, (before or "").split(os.pathsep))])

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import textwrap
 from collections import Counter
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from kvpatch import RULESET_VERSION, __version__
-from kvpatch.sites import (FIXED_UPSTREAM, GATHERED, HOT, NEEDS_ACTION, NOOP, PATCHED, PLAN_IGNORED, PLAN_REWRITE,
-                           PLAN_STATUSES, SITE_STATUSES, SUPPRESSED, UNSUPPORTED, ScanResult, Site)
+from kvpatch.sites import (FIXED_UPSTREAM, GATHERED, HOT, NEEDS_ACTION, NOOP, PATCHED, PLAN_IGNORED, PLAN_PATCHED,
+                           PLAN_REWRITE, PLAN_STATUSES, SITE_STATUSES, SUPPRESSED, UNSUPPORTED, ScanResult, Site)
 
 from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 
@@ -86,6 +86,31 @@ def summary_line(command: str, scan: ScanResult, extra: str = "") -> str:
     errs = f", {len(scan.all_errors)} error(s)" if scan.all_errors else ""
     return (f"kvpatch {command}: {scan.files_scanned} files scanned ({scan.candidates} candidates); "
             f"sites: {parts}; {len(scan.plans)} plan call(s){errs}{extra}; {scan.seconds:.2f}s")
+
+
+def applied_counts(patch) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """(site counts, plan call counts) as the checkout stands after `patch` is
+    written: each site and plan call in a rewrite is patched; the rest, declined
+    and unasked ones of apply -i included, keep the status the scan gave them."""
+    # The rewrites' records come from a second analysis of the same bytes: match by place.
+    sites = {(s.file, s.line) for r in patch.rewrites for s in r.sites}
+    plans = {(p.file, p.line) for r in patch.rewrites for p in r.plans}
+    c = Counter(PATCHED if (s.file, s.line) in sites else s.status for s in patch.scan.sites)
+    pc = Counter(PLAN_PATCHED if (p.file, p.line) in plans else p.status for p in patch.scan.plans)
+    return {k: c.get(k, 0) for k in SITE_STATUSES}, {k: pc.get(k, 0) for k in PLAN_STATUSES}
+
+
+def apply_summary_line(patch, extra: str = "") -> str:
+    """`kvpatch apply`'s last line: the counts after apply (not the scan's before),
+    always saying how many hot sites are left."""
+    scan = patch.scan
+    counts, plan_counts = applied_counts(patch)
+    parts = ", ".join(f"{n} {k}" for k, n in counts.items() if n and k != HOT)
+    plans = ", ".join(f"{n} {k}" for k, n in plan_counts.items() if n)
+    errs = f", {len(scan.all_errors)} error(s)" if scan.all_errors else ""
+    return (f"kvpatch apply: {scan.files_scanned} files scanned ({scan.candidates} candidates); "
+            f"after apply: sites: {parts + ', ' if parts else ''}{counts[HOT]} hot left; "
+            f"{len(scan.plans)} plan call(s){': ' + plans if plans else ''}{errs}{extra}; {scan.seconds:.2f}s")
 
 
 def to_dict(scan: ScanResult) -> Dict:

@@ -206,3 +206,48 @@ def test_config_command_names_each_source(example, tmp_path):
     assert lines["jobs"].endswith("default") and lines["apply.commit"].endswith("default")
     doc = json.loads(run("config", "--json", example).stdout)
     assert {d["setting"]: d["source"] for d in doc}["rules"] == f"{f}: tool.kvpatch.rules"
+
+
+# -- kvpatch rules and kvpatch test read the config too ------------------------------
+def test_rules_lists_the_configs_local_rules_and_marks_the_unselected(tmp_path):
+    folder = tmp_path / "tools" / "kvpatch_rules"
+    folder.mkdir(parents=True)
+    (folder / "scratch_kernel_cast.py").write_text(RULE)
+    assert "KVP901" not in run("rules", tmp_path).output
+    f = write_config(tmp_path, "[tool.kvpatch]\nrules = ['KVP101']\nrules-path = ['tools/kvpatch_rules']\n").resolve()
+    r = run("rules", tmp_path)
+    assert r.exit_code == 0, r.output
+    lines = {ln.split()[0]: ln for ln in r.output.splitlines() if ln.startswith("KVP")}
+    assert "KVP901" in lines  # the local rule, from rules-path
+    assert "not selected" not in lines["KVP101"]
+    assert lines["KVP901"].endswith(f"[not selected by {f}: tool.kvpatch.rules]"), lines["KVP901"]
+    assert r.output.splitlines()[-1].endswith(f"; {len(lines) - 1} not selected by the config")
+    doc = {d["id"]: d["selected"] for d in json.loads(run("rules", "--json", tmp_path).stdout)}
+    assert doc["KVP101"] and not doc["KVP901"] and not doc["KVP102"]
+    assert RULES_PATH_ENV not in os.environ  # restored after the command
+
+
+def test_test_runs_the_configs_rules_and_loads_its_rules_path(tmp_path):
+    folder = tmp_path / "tools" / "kvpatch_rules"
+    folder.mkdir(parents=True)
+    (folder / "scratch_kernel_cast.py").write_text(RULE)
+    assert run("test", "--path", tmp_path, "KVP901").exit_code == 2  # unknown without the config
+    write_config(tmp_path, "[tool.kvpatch]\nrules = ['KVP901']\nrules-path = ['tools/kvpatch_rules']\n")
+    r = run("test", "--path", tmp_path, "KVP901")
+    assert r.output.splitlines()[-1].startswith("kvpatch test: 1 rule(s), "), r.output
+    r = run("test", "--path", tmp_path)  # no RULE: the config's selection, not every rule
+    assert r.output.splitlines()[-1].startswith("kvpatch test: 1 rule(s), "), r.output
+    assert "KVP101" not in r.output
+    assert RULES_PATH_ENV not in os.environ
+
+
+@pytest.mark.parametrize("cmd", ["audit", "apply"])
+def test_jobs_help_says_the_config_sets_it(cmd):
+    text = " ".join(run(cmd, "--help").output.split())
+    assert "-j, --jobs INTEGER RANGE Worker processes (default: [tool.kvpatch] jobs in pyproject.toml" in text, text
+
+
+@pytest.mark.parametrize("cmd", ["rules", "test", "config"])
+def test_help_of_rules_test_and_config_says_the_config_is_read(cmd):
+    text = " ".join(run(cmd, "--help").output.split())
+    assert "[tool.kvpatch]" in text and "rules-path" in text, text

@@ -284,3 +284,32 @@ def test_changes_pair_linked_rules_and_split_the_rest(tree):
     # Each change alone leaves the other fixable, and both together are the whole rewrite.
     assert choose.accepted_rewrite(musa, rules, got).new_text == plan_rewrite(musa, rules).new_text
     assert got[0].alone.new_text.count(".to(q.dtype)") == 1
+
+
+def test_hunks_after_the_hidden_import_are_numbered_without_it(tree):
+    """Each change's hunk hides the runtime import's hunk: the later hunks' new-side
+    line numbers must not count its lines (a consistent diff of the file without it)."""
+    import re
+
+    from kvpatch import choose
+    from kvpatch.engine import analyze_source
+    from kvpatch.rewrite import plan_rewrite
+    from kvpatch.rule import load_rules
+
+    rules = load_rules()
+    musa = analyze_source(MUSA, (tree / MUSA).read_bytes(), rules)
+    got = choose.changes(musa, rules, plan_rewrite(musa, rules))
+    assert len(got) == 2 and all(c.adds_import for c in got)
+    for c in got:
+        old = c.alone.old_text.splitlines()
+        hunk = c.hunk()
+        heads = list(re.finditer(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@", hunk, re.M))
+        assert heads and "import _kvpatch_runtime" not in hunk
+        delta = 0
+        for m in heads:
+            o_start, o_len, n_start, n_len = map(int, m.groups())
+            assert n_start == o_start + delta, hunk  # before the fix: 2 more (the import and its blank line)
+            body = hunk[m.end():].split("\n@@", 1)[0].strip("\n").split("\n")
+            old_side = [ln[1:] for ln in body if ln[:1] in (" ", "-")]
+            assert old[o_start - 1:o_start - 1 + o_len] == old_side
+            delta += n_len - o_len

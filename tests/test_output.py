@@ -117,3 +117,92 @@ def test_a_styled_block_closes_its_colour_on_every_line():
     text = out.style("first line\nsecond line\n", fg="red")
     assert all(ln.endswith(ESC + "0m") for ln in text.split("\n") if ln), repr(text)
     assert text.endswith("\n")
+
+
+def _site_counts(line: str) -> str:
+    """'1 no-op, 3 patched, 1 unsupported' out of a summary line's 'sites: ...;'."""
+    return line.split("sites: ", 1)[1].split(";", 1)[0]
+
+
+def test_apply_summary_gives_the_counts_after_apply(example):
+    before = run("audit", example).output.splitlines()[-1]
+    assert "3 hot" in before, before
+    r = run("apply", example)
+    assert r.exit_code == 0, r.output
+    last = r.output.splitlines()[-1]
+    assert last.startswith("kvpatch apply: ") and "after apply: sites: " in last, last
+    assert "3 hot" not in last and "0 hot left" in last and "3 plan call(s): 3 patched" in last, last
+    after = run("audit", example).output.splitlines()[-1]  # what a re-audit finds
+    assert _site_counts(last) == _site_counts(after) + ", 0 hot left", (last, after)
+
+
+def test_apply_summary_after_a_declined_change_counts_it_hot(example):
+    """apply -i: the declined change's site stays hot; the accepted ones are patched."""
+    from kvpatch import choose, patch as P
+    from kvpatch.report import applied_counts, apply_summary_line
+
+    def ask(changes):  # the FA3 site (a change of its own) declined, everything else accepted
+        no = {i for i, c in enumerate(changes) if c.rel.endswith("/flashattention_backend.py")}
+        assert len(no) == 1, [c.rel for c in changes]
+        return choose.Selection(accepted=set(range(len(changes))) - no, declined=no)
+
+    built = P.build(example, ask=ask)
+    sites, plans = applied_counts(built)
+    assert sites["hot"] == 1 and sites["patched"] == 2 and plans["patched"] == 3
+    assert "2 patched, 1 unsupported, 1 hot left; 3 plan call(s): 3 patched" in apply_summary_line(built)
+
+
+# -- -v and -vv ----------------------------------------------------------------------
+FA3 = "python/sglang/srt/layers/attention/flashattention_backend.py"
+
+
+def _debug(r):
+    return [ln for ln in r.output.splitlines() if ln.startswith("debug: ")]
+
+
+def test_v_and_vv_of_audit_say_different_specific_things(example):
+    v, vv = run("audit", "-v", example), run("-vv", "audit", example)
+    assert v.exit_code == vv.exit_code == 1
+    assert not _debug(v)  # -v: the sites' statements, no diagnostics
+    statement = "k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)"
+    assert statement in v.stdout and vv.stdout == v.stdout  # -vv adds to stderr only
+    d = _debug(vv)
+    assert d[0] == "debug: config: none (no pyproject.toml with [tool.kvpatch] walking up from PATH)"
+    assert "debug: rule KVP101 (flashinfer-mla-pool-cast): built-in" in d
+    assert f"debug: scan of {example.resolve()}: 5 file(s) scanned, 4 candidate(s)" in d
+    assert f"debug:   {FA3}: 1 site(s), 0 plan call(s)" in d
+    assert d[-1].startswith("debug: time: scan ") and d[-1].endswith("s")
+    assert not _debug(run("-q", "-vv", "audit", example))  # -q silences them
+
+
+def test_v_and_vv_of_apply_say_different_specific_things(example, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(example, other)
+    plain, v, vv = run("apply", "--dry-run", example), run("-v", "apply", example), run("-vv", "apply", other)
+    assert plain.exit_code == v.exit_code == vv.exit_code == 0, (v.output, vv.output)
+    line = f"  rewritten {FA3}:23 FlashAttentionBackend.forward_decode [KVP103, decode, flashattention]: "
+    assert line in v.output and not _debug(v)
+    assert "  would be rewritten " not in plain.output  # -v only
+    assert line in vv.output
+    assert sum(ln.startswith("  rewritten ") for ln in v.output.splitlines()) == 6  # 3 casts, 3 plan calls
+    times = [ln for ln in _debug(vv) if ln.startswith("debug: time: ")]
+    assert len(times) == 1 and [p.split()[0] for p in times[0][len("debug: time: "):].split(", ")] == \
+        ["scan", "plan+rewrite", "write"], times
+    rv = run("-v", "revert", example)
+    assert f"  restored {FA3}" in rv.output and not _debug(rv)
+    rvv = run("-vv", "revert", other)
+    assert [ln for ln in _debug(rvv) if ln.startswith("debug: time: revert ")]
+
+
+def test_v_and_vv_of_rules_and_the_help_documents_both(tmp_path):
+    from test_plugin import RULE
+
+    (tmp_path / "scratch_rule.py").write_text(RULE)
+    v = CliRunner().invoke(main, ["-v", "rules"], env={"KVPATCH_RULES_PATH": str(tmp_path)})
+    assert "        from: built-in (kvpatch.rules)" in v.output and not _debug(v)
+    assert f"        from: {tmp_path / 'scratch_rule.py'}" in v.output, v.output
+    vv = CliRunner().invoke(main, ["-vv", "rules"], env={"KVPATCH_RULES_PATH": str(tmp_path)})
+    assert f"debug: rule KVP901 (scratch-kernel-cast): {tmp_path / 'scratch_rule.py'}" in _debug(vv)
+    text = " ".join(run("--help").output.split())
+    assert "-v each item's detail: audit, each site's statement" in text
+    assert "-vv -v, plus diagnostics on stderr, each line `debug: ...`" in text

@@ -674,3 +674,40 @@ def test_changed_pair_keeps_short_statements_whole_and_cuts_long_ones_to_whole_a
     assert changed_pair(old, new) == ("out = kernel(..., argument_13, ...)", "out = kernel(..., argument_13[:n], ...)")
     nested = old.replace("argument_5,", "f(g(argument_5), h),")
     assert changed_pair(old, nested) == ("out = kernel(..., argument_5, ...)", "out = kernel(..., f(g(argument_5), h), ...)")
+
+
+# -- the config's exclude ---------------------------------------------------------------
+def test_old_new_honours_the_configs_exclude_in_both_trees(tmp_path):
+    """As plain audit: [tool.kvpatch] exclude (found from OLD) leaves the file out of
+    both trees, so its new hot site is neither listed nor an action."""
+    old, new = pair(tmp_path, {FA: FA_SRC})
+    assert one(upgrade_json(old, new), "FlashAttentionBackend.forward_decode")["category"] == "new"
+    (old / "pyproject.toml").write_text(f"[tool.kvpatch]\nexclude = ['{FA}']\n")
+    doc = upgrade_json(old, new)
+    assert not [e for e in doc["sites"] + doc["plan_calls"] if e["file"] == FA], doc["sites"]
+    assert doc["exit_code"] == 0 and not doc["action_needed"] and doc["patch"]["skipped"] == []
+    assert one(doc, DECODE)["category"] == "unchanged"  # the rest is compared as before
+
+
+def test_against_ref_honours_the_configs_exclude(tmp_path):
+    root = _repo(tmp_path)
+    (root / FA).write_text(FA_SRC)
+    assert one(upgrade_json(root, "--against", "HEAD"), "FlashAttentionBackend.forward_decode")["category"] == "new"
+    (root / "pyproject.toml").write_text("[tool.kvpatch]\nexclude = ['python/**/flashattention_*.py']\n")
+    doc = upgrade_json(root, "--against", "HEAD")
+    assert not [e for e in doc["sites"] if e["file"] == FA] and doc["exit_code"] == 0, doc["sites"]
+    assert one(doc, DECODE)["category"] == "unchanged"
+
+
+def test_vv_of_the_upgrade_audit_gives_each_trees_files_and_the_phase_times(tmp_path):
+    old, new = pair(tmp_path, {FA: FA_SRC})
+    v, vv = run("-v", "audit", old, new), run("-vv", "audit", old, new)
+    assert v.exit_code == vv.exit_code == 1
+    assert "unchanged      " in v.stdout and vv.stdout == v.stdout  # -v: the unchanged entries listed
+    debug = [ln for ln in vv.output.splitlines() if ln.startswith("debug: ")]
+    assert not [ln for ln in v.output.splitlines() if ln.startswith("debug: ")]
+    assert f"debug: scan of {old.resolve()}: 3 file(s) scanned, 2 candidate(s)" in debug, debug
+    assert f"debug:   {FA}: 1 site(s), 0 plan call(s)" in debug  # only the new tree has FA3
+    times = [ln for ln in debug if ln.startswith("debug: time: ")]
+    assert len(times) == 1 and times[0].startswith("debug: time: old-tree scan ") \
+        and ", new-tree scan " in times[0] and ", plan+rewrite+compare " in times[0], times

@@ -26,19 +26,20 @@ def _check_tree(path: str, what: str) -> Path:
 
 
 def cli_audit(out, root: Path, new_path: Optional[str], against: Optional[str], as_json: bool, as_sarif: bool,
-              output: Optional[str], select, jobs) -> int:
-    """`kvpatch audit OLD NEW` / `kvpatch audit PATH --against REF`; returns the exit code."""
+              output: Optional[str], select, jobs, excluded=None) -> int:
+    """`kvpatch audit OLD NEW` / `kvpatch audit PATH --against REF`; returns the exit code.
+    `excluded`: the config's exclude (found from PATH, or OLD), applied to both trees."""
     try:
         if new_path and against:
             raise UpgradeError("give either NEW_PATH or --against REF, not both")
         if against:
             if not root.is_dir():
                 raise UpgradeError(f"{root}: --against compares a checkout directory with a git revision")
-            up = upgrade_against(root, against, select, jobs, out.progress())
+            up = upgrade_against(root, against, select, jobs, out.progress(), excluded)
         else:
             old = _check_tree(str(root), "OLD")
             new = _check_tree(new_path, "NEW")
-            up = run_upgrade(old, new, select, jobs, out.progress())
+            up = run_upgrade(old, new, select, jobs, out.progress(), excluded=excluded)
     except UpgradeError as exc:
         out.error(str(exc))
         return EXIT_ERROR
@@ -48,6 +49,11 @@ def cli_audit(out, root: Path, new_path: Optional[str], against: Optional[str], 
     except OSError as exc:
         out.error(f"upgrade audit failed: {exc}")
         return EXIT_ERROR
+    if out.verbose >= 2:  # -vv: each tree's candidate files, and the phases' times
+        out.scanned(up.old.scan)
+        out.scanned(up.new.scan)
+        out.times(("old-tree scan", up.old.scan.seconds), ("new-tree scan", up.new.scan.seconds),
+                  ("plan+rewrite+compare", up.seconds - up.old.scan.seconds - up.new.scan.seconds))
     if as_json:
         text = json.dumps(up.to_dict(), indent=2) + "\n"
     elif as_sarif:
