@@ -9,7 +9,7 @@ import time
 import click
 
 from kvpatch.cli_out import CONTEXT, Out, _root, _settings, rule_source
-from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_NO_GPU, EXIT_OK
+from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED
 
 # -- rules -------------------------------------------------------------------
 @click.command(name="rules", context_settings=CONTEXT)
@@ -108,8 +108,10 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     within tolerance for native FP8. FlashInfer runs its own kernels; the
     FA3-family and flash_mla kernels, which need sgl-kernel, run as a torch
     reference with their semantics on both sides. A path that cannot run is
-    reported as skipped with the reason, never as passed. Needs torch
-    (pip install torch; see the README's Installing).
+    reported as skipped with the reason, never as passed; a patched file of a
+    backend verify has no driver for (aiter, say) is named NOT VERIFIED, and
+    the verdict is PARTLY VERIFIED (exit 3). Needs torch (pip install torch;
+    see the README's Installing).
 
     \b
     Example:  kvpatch verify ~/sglang --mode gather
@@ -155,7 +157,10 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     n = {k: sum(1 for c in rep.cases if c.status == k) for k in ("passed", "failed", "skipped")}
     out.info(f"kvpatch verify: {n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped "
              f"(device {rep.device or '-'}, kernel {rep.kernel or '-'}); {time.perf_counter() - t0:.2f}s")
+    if rep.unverified:
+        out.info(f"not verified: {len(rep.unverified)} patched file(s) no verify driver covers")
+        sys.exit(EXIT_UNVERIFIED)
     if not cpu and not rep.gpu_ran:
         out.info(f"no GPU check: {rep.reason}")
-        sys.exit(EXIT_NO_GPU)
+        sys.exit(EXIT_UNVERIFIED)
     sys.exit(EXIT_OK)

@@ -9,7 +9,7 @@ EXIT_OK = 0
 EXIT_ACTION = 1  # audit: hot sites remain; status: not/partly patched; upgrade: action needed; verify: a case failed
 EXIT_ERROR = 2  # an error or refusal, an unexpected crash included (one line; -v shows the traceback)
 EXIT_DRIFT = 3  # status: a patched region was edited by hand
-EXIT_NO_GPU = 3  # verify: the CPU check passed, the GPU one could not run
+EXIT_UNVERIFIED = 3  # verify: what ran passed, but not all of it: no GPU, or a patched file no driver covers
 EXIT_INTERRUPTED = 4  # status: an interrupted write is pending, or one is in progress
 EXIT_PARTIAL = 5  # apply: the files that are safe were written; the others (named) were skipped
 EXIT_USER_INTERRUPT = 130  # Ctrl-C or SIGTERM: everything was rolled back
@@ -36,7 +36,7 @@ WHAT = {
                EXIT_ERROR: "error", EXIT_DRIFT: "drifted: a patched region was edited by hand",
                EXIT_INTERRUPTED: "an interrupted write is pending (or one is in progress)"},
     "verify": {EXIT_OK: "passed on the GPU (or `--cpu` passed)", EXIT_ACTION: "a case failed",
-               EXIT_ERROR: "error", EXIT_NO_GPU: "no GPU: only the CPU check ran"},
+               EXIT_ERROR: "error", EXIT_UNVERIFIED: "partly verified: no GPU (only the CPU check ran), or a patched file verify cannot drive (named)"},
     "rules": {EXIT_OK: "listed", EXIT_ERROR: "error"},
     "test": {EXIT_OK: "every example holds", EXIT_ACTION: "an example failed", EXIT_ERROR: "error"},
     "config": {EXIT_OK: "shown", EXIT_ERROR: "a bad config (file and key named)"},

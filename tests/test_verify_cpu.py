@@ -421,3 +421,39 @@ def test_originals_from_git_after_a_real_apply(tmp_path):
     subprocess.run(git + ["replace", blob, other], check=True)
     r = verify(root, modes=("gather",), graph=False)
     assert not r.ok and "not the recorded original" in " ".join(r.errors), r.format()
+
+
+def test_a_patched_file_no_driver_covers_is_named_not_verified(tmp_path):
+    """A rewrite verify cannot drive (aiter's ragged pages, say) is never folded into an OK:
+    the verdict is PARTLY VERIFIED, the file is named, and the CLI exits 3."""
+    from click.testing import CliRunner
+
+    from kvpatch.cli import main
+    from kvpatch.engine import analyze_source
+    from kvpatch.exitcodes import EXIT_UNVERIFIED
+    from kvpatch.rewrite import plan_rewrite
+    from kvpatch.rule import load_rules
+    from rules._page_table_examples import AITER_DECODE
+
+    aiter = "python/sglang/srt/layers/attention/aiter_backend.py"
+    root = make_checkout(tmp_path)
+    original = "from sglang.srt.layers.attention.base_attn_backend import AttentionBackend\n" + AITER_DECODE
+    rules = load_rules()
+    rw = plan_rewrite(analyze_source(aiter, original.encode(), rules), rules)
+    assert rw is not None and rw.sites, "the aiter example is a site apply rewrites"
+    (root / aiter).write_bytes(rw.new_bytes)
+    (root / ".kvpatch" / "originals" / aiter).write_text(original)
+    state = json.loads((root / ".kvpatch" / "state.json").read_text())
+    state["files"].append({"path": aiter, "original_copy": f".kvpatch/originals/{aiter}"})
+    (root / ".kvpatch" / "state.json").write_text(json.dumps(state))
+
+    r = verify(root, modes=("gather",))
+    assert r.ok and r.files == [BACKEND], r.format()  # what ran passed ...
+    assert len(r.unverified) == 1 and r.unverified[0].startswith(aiter)  # ... and this did not run
+    text = r.format()
+    assert text.splitlines()[0].endswith("PARTLY VERIFIED (device=cpu, kernel=reference, gpu_ran=False)")
+    assert f"NOT VERIFIED: {aiter}" in text
+    assert r.to_dict()["unverified"] == r.unverified
+    res = CliRunner().invoke(main, ["verify", str(root), "--cpu", "--quick", "--mode", "gather", "--no-graph"])
+    assert res.exit_code == EXIT_UNVERIFIED, res.output
+    assert "not verified: 1 patched file(s)" in res.output

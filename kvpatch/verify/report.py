@@ -70,6 +70,8 @@ class VerifyReport:
     errors: List[str] = field(default_factory=list)   # target-level failures (load, locate)
     notes: List[str] = field(default_factory=list)
     files: List[str] = field(default_factory=list)    # files verified
+    # patched files no driver covers, each with why: their rewrites were NOT verified
+    unverified: List[str] = field(default_factory=list)
 
     @property
     def failures(self) -> List[CaseResult]:
@@ -97,6 +99,7 @@ class VerifyReport:
             "gpu_ran": self.gpu_ran,
             "reason": self.reason,
             "files": list(self.files),
+            "unverified": list(self.unverified),
             "errors": list(self.errors),
             "notes": list(self.notes),
             "counts": {
@@ -131,13 +134,16 @@ class VerifyReport:
         return self.format()
 
     def format(self) -> str:
-        out = [f"kvpatch verify {self.root}: {'OK' if self.ok else 'FAILED'}"
+        verdict = "FAILED" if not self.ok else "PARTLY VERIFIED" if self.unverified else "OK"
+        out = [f"kvpatch verify {self.root}: {verdict}"
                f" (device={self.device or '-'}, kernel={self.kernel or '-'},"
                f" gpu_ran={self.gpu_ran})"]
         if self.cases:
             out.append(self.format_table())
         for e in self.errors:
             out.append(f"ERROR: {e}")
+        for u in self.unverified:
+            out.append(f"NOT VERIFIED: {u}")
         for c in self.failures:
             out.append(f"FAIL {c.site} [{c.label()}]: {c.message}")
         skipped = {c.message for c in self.skipped}
