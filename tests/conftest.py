@@ -29,6 +29,18 @@ def git(root: Path, *args: str) -> str:
 
 
 @pytest.fixture
+def one_torch_thread():
+    """One torch thread for the tiny CPU verify cases: the pool only adds overhead (and noise on busy CI).
+    The verify test modules take it with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def example(tmp_path) -> Path:
     dst = tmp_path / "sglang"
     shutil.copytree(EXAMPLE, dst)

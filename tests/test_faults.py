@@ -29,7 +29,7 @@ from kvpatch import patch as P
 from kvpatch.cli import main
 from kvpatch.gittxn import BRANCH_PREFIX, HEADS, INDEX_LOCK
 from kvpatch.state import STATE_DIR, STATE_FILE
-from kvpatch.state import JOURNAL_FILE
+from kvpatch.names import JOURNAL_FILE
 from kvpatch.safepath import tmp_path
 from kvpatch.write import CRASH_ENV, GIT_KEY, TXN_DIR
 

@@ -25,13 +25,7 @@ BACKEND = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"
 RT_REL = str(Path(BACKEND).parent / "_kvpatch_runtime.py")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CPU cases are tiny: torch's thread pool only adds overhead (and noise on busy CI).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def make_checkout(tmp: Path, patched_text: str = None, runtime_text: str = None,
