@@ -47,11 +47,17 @@ def example(tmp_path) -> Path:
     return dst
 
 
+def git_init(root: Path) -> Path:
+    """Make ROOT a git repository on branch main with one commit ("upstream") of everything in it,
+    and user tester <tester@example.com> for the commits kvpatch makes later."""
+    git(root, "init", "-q", "-b", "main")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "upstream")
+    git(root, "config", "user.name", "tester")
+    git(root, "config", "user.email", "tester@example.com")
+    return root
+
+
 @pytest.fixture
 def example_git(example) -> Path:
-    git(example, "init", "-q", "-b", "main")
-    git(example, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
-    git(example, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "upstream")
-    git(example, "config", "user.name", "tester")
-    git(example, "config", "user.email", "tester@example.com")
-    return example
+    return git_init(example)

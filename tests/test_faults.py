@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import EXAMPLE, git
+from conftest import EXAMPLE, git, git_init
 from kvpatch import gittxn, write
 from kvpatch import patch as P
 from kvpatch.cli import main
@@ -101,11 +101,7 @@ def make_tree(tmp_path: Path, name: str, with_git: bool) -> Path:
     root = tmp_path / name
     shutil.copytree(EXAMPLE, root)
     if with_git:
-        git(root, "init", "-q", "-b", "main")
-        git(root, "config", "user.name", "tester")
-        git(root, "config", "user.email", "tester@example.com")
-        git(root, "add", "-A")
-        git(root, "commit", "-qm", "upstream")
+        git_init(root)
     return root
 
 
