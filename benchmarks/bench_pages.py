@@ -19,6 +19,7 @@ Exit: 0 ok, 1 a result was wrong, 2 no GPU/Triton, 3 a target missed (with --str
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -65,7 +66,7 @@ def main():
     args = ap.parse_args()
     try:
         import torch
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError as exc:
         print(f"needs torch and Triton: {exc}")
         return 2

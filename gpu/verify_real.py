@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from kvpatch.verify import run_verify  # noqa: E402
-from kvpatch.verify.harness import BIG_SHAPES, GPU_SHAPES  # noqa: E402
+from kvpatch.verify.world import BIG_SHAPES, GPU_SHAPES  # noqa: E402
 
 
 def main(argv=None) -> int:

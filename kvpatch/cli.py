@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from kvpatch import __version__
-from kvpatch.cli_out import CLEAR_LINE, CONTEXT, Out, _check_rules, _root, _rules_opt, _split  # noqa: F401
+from kvpatch.cli_out import CONTEXT, Out, _check_rules, _root, _rules_opt
 from kvpatch.cli_out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
 from kvpatch.cli_out import _Main, _exit_help, apply_counts
 from kvpatch.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
@@ -265,11 +265,12 @@ def revert(out: Out, path, force, no_commit, allow_dirty, no_verify):
     Example:  kvpatch revert ~/sglang
     """
     from kvpatch import patch as P
+    from kvpatch.revert import revert as revert_tree
 
     root = _root(path, out)
     t0 = time.perf_counter()
     try:
-        res = P.revert(root, force=force, no_commit=no_commit, allow_dirty=allow_dirty, no_verify=no_verify)
+        res = revert_tree(root, force=force, no_commit=no_commit, allow_dirty=allow_dirty, no_verify=no_verify)
     except (P.PatchError, ValueError) as exc:  # ValueError: an unreadable state record
         out.error(str(exc))
         sys.exit(EXIT_ERROR)

@@ -3,6 +3,7 @@ no checkout state to change it (registered on the group in kvpatch/cli.py)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 
@@ -132,7 +133,7 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     except (OSError, ValueError, AttributeError):
         pass  # unreadable: verify reports it as the target's problem
     try:
-        import torch  # noqa: F401
+        importlib.import_module("torch")
     except ImportError:
         out.error("verify needs torch: pip install torch (a CPU build does for --cpu; see the README's Installing)")
         sys.exit(EXIT_ERROR)

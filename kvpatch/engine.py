@@ -29,7 +29,7 @@ from kvpatch.match import FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, FileRecords, PlanCall,  # noqa: F401
                            ScanResult, Site, backend_name, path_kind)  # ScanResult: re-exported
-from kvpatch.units import ParsedUnit, UnitParseError, decode, encode, parse_unit, split_lines  # noqa: F401
+from kvpatch.units import ParsedUnit, UnitParseError, decode, parse_unit, split_lines
 
 
 

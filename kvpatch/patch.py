@@ -20,7 +20,7 @@ from kvpatch import RULESET_VERSION, __version__, checkout, choose, originals, w
 from kvpatch.engine import FileAnalysis, scan_tree
 from kvpatch.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
                              _is_state, _locked, _refuse_pending, _write_and_commit)  # PatchError: the CLI's
-from kvpatch.revert import RevertResult, revert, original as revert_original  # noqa: F401 - the CLI calls patch.revert
+from kvpatch.revert import original as revert_original
 from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version

@@ -21,7 +21,7 @@ from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Type, Un
 
 import libcst as cst
 
-from kvpatch.sites import HOT
+from kvpatch.sites import HOT, UNSUPPORTED
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,27 @@ class Patched:
     buffer: cst.BaseExpression
     dtype: Optional[cst.BaseExpression]
     reason: str
+
+
+def emitted_call(call: cst.Call, method: str, dtype_arg: int) -> Optional[Patched]:
+    """``call`` as a rule's own rewrite when it is ``<alias>.METHOD(pool, ...)`` with the dtype as
+    argument ``dtype_arg``: what a rule's ``patched()`` returns for the runtime call it emits."""
+    func = call.func
+    if isinstance(func, cst.Attribute) and func.attr.value == method and len(call.args) > max(dtype_arg, 2):
+        return Patched(call, call.args[0].value, call.args[dtype_arg].value,
+                       f"kvpatch's page-gathered cast ({method}) is in place")
+    return None
+
+
+def refuse_unless_plain_cast(cand, ctx) -> Optional["Decision"]:
+    """An UNSUPPORTED Decision unless the candidate is a simple ``.to(dtype)`` cast at its unit's own
+    scope (the only form the page-gathering rewrites handle); None when it is."""
+    if cand.form.kind != "to" or not cand.form.simple:
+        return Decision(UNSUPPORTED, f"`{ctx.code(cand.call)}`: only `.to(dtype)` casts are rewritten")
+    nested = ctx.in_nested_scope(cand.call)
+    if nested:
+        return Decision(UNSUPPORTED, f"the cast sits inside {nested}")
+    return None
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 from kvpatch.sites import PlanCall
 from kvpatch.safepath import UnsafePath, inside, is_link, read_regular, under, write_replace
 
-from kvpatch.names import JOURNAL_FILE, ORIGINALS, STATE_DIR, STATE_FILE  # noqa: F401 - re-exported
+from kvpatch.names import ORIGINALS, STATE_DIR, STATE_FILE
 SCHEMA = "kvpatch.state/1"
 _COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 

@@ -22,7 +22,7 @@ from kvpatch.classify import other_values
 from kvpatch.codegen import RUNTIME_ALIAS, cast_builder, star_kwargs_builder
 from kvpatch.match import UnitContext, consumer_names, is_mla_run
 from kvpatch.stable import differs_at
-from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid
+from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid, emitted_call, refuse_unless_plain_cast
 from kvpatch.sites import HOT, UNSUPPORTED
 
 from ._fi_mla_examples import HEADER, RT
@@ -334,11 +334,7 @@ class B:
 
     def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
         # what decide() emits: <alias>.kv_for_kernel(pool, wrapper, dtype, ...)
-        func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value == self.EMITS[0] and len(call.args) >= 3:
-            return Patched(call, call.args[0].value, call.args[2].value,
-                           f"kvpatch's page-gathered cast ({self.EMITS[0]}) is in place")
-        return None
+        return emitted_call(call, self.EMITS[0], dtype_arg=2)
 
     def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
         runs = [c for c in cand.consumers if is_mla_run(c)]
@@ -348,11 +344,9 @@ class B:
         if others:
             return Decision(UNSUPPORTED, f"the cast also reaches {consumer_names(others, ctx)}; only a "
                                          f"wrapper's run() is known to read just the planned rows")
-        if cand.form.kind != "to" or not cand.form.simple:
-            return Decision(UNSUPPORTED, f"`{ctx.code(cand.call)}`: only `.to(dtype)` casts are rewritten")
-        nested = ctx.in_nested_scope(cand.call)
-        if nested:
-            return Decision(UNSUPPORTED, f"the cast sits inside {nested}")
+        refused = refuse_unless_plain_cast(cand, ctx)
+        if refused:
+            return refused
         wrappers = {ctx.code(c.call.func.value) for c in runs}
         if len(wrappers) != 1:
             return Decision(UNSUPPORTED, f"the cast feeds several wrappers ({', '.join(sorted(wrappers))})")

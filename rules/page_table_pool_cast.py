@@ -30,7 +30,7 @@ from kvpatch.pagedcall import (PAGED_KERNELS, RAGGED_KERNELS, RAGGED_LAYOUT, Pag
                                is_cache_arg, kernel_name, kw, walk)
 from kvpatch.stable import differs_at
 from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
-from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid
+from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid, emitted_call, refuse_unless_plain_cast
 from kvpatch.sites import HOT, UNSUPPORTED
 
 from ._page_table_examples import (AITER_DECODE, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT, UNIFIED, XPU_CAST,
@@ -216,11 +216,8 @@ class FlashAttentionBackend:
 
     # -- recognise ----------------------------------------------------------
     def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
-        func = call.func
-        if isinstance(func, cst.Attribute) and func.attr.value == self.EMITS[0] and len(call.args) >= 3:
-            return Patched(call, call.args[0].value, call.args[1].value,
-                           f"kvpatch's page-gathered cast ({self.EMITS[0]}) is in place")
-        return None
+        # what decide() emits: <alias>.kv_pages_for_kernel(pool, dtype, page_size, ...)
+        return emitted_call(call, self.EMITS[0], dtype_arg=1)
 
     def fixed_upstream(self, call: cst.Call, ctx: UnitContext) -> Optional[Upstream]:
         for c in ctx.consumers(call):
@@ -246,11 +243,9 @@ class FlashAttentionBackend:
         if others:
             return Decision(UNSUPPORTED, f"the cast also reaches {consumer_names(others, ctx)}; only page-table "
                                          f"kernels are known to read just the pages of their tables")
-        if cand.form.kind != "to" or not cand.form.simple:
-            return Decision(UNSUPPORTED, f"`{ctx.code(cand.call)}`: only `.to(dtype)` casts are rewritten")
-        nested = ctx.in_nested_scope(cand.call)
-        if nested:
-            return Decision(UNSUPPORTED, f"the cast sits inside {nested}")
+        refused = refuse_unless_plain_cast(cand, ctx)
+        if refused:
+            return refused
         names = {n for c in cand.consumers for n in c.via}
         closure_pairs, problem = closure_tables(ctx, names, cand)
         if problem:

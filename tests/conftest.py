@@ -29,17 +29,35 @@ def git(root: Path, *args: str) -> str:
 
 
 @pytest.fixture
+def one_torch_thread():
+    """One torch thread for the tiny CPU verify cases: the pool only adds overhead (and noise on busy CI).
+    The verify test modules take it with pytestmark = pytest.mark.usefixtures("one_torch_thread")."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def example(tmp_path) -> Path:
     dst = tmp_path / "sglang"
     shutil.copytree(EXAMPLE, dst)
     return dst
 
 
+def git_init(root: Path) -> Path:
+    """Make ROOT a git repository on branch main with one commit ("upstream") of everything in it,
+    and user tester <tester@example.com> for the commits kvpatch makes later."""
+    git(root, "init", "-q", "-b", "main")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "upstream")
+    git(root, "config", "user.name", "tester")
+    git(root, "config", "user.email", "tester@example.com")
+    return root
+
+
 @pytest.fixture
 def example_git(example) -> Path:
-    git(example, "init", "-q", "-b", "main")
-    git(example, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
-    git(example, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "upstream")
-    git(example, "config", "user.name", "tester")
-    git(example, "config", "user.email", "tester@example.com")
-    return example
+    return git_init(example)

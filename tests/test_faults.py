@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import EXAMPLE, git
+from conftest import EXAMPLE, git, git_init
 from kvpatch import gittxn, write
 from kvpatch import patch as P
 from kvpatch.cli import main
 from kvpatch.gittxn import BRANCH_PREFIX, HEADS, INDEX_LOCK
 from kvpatch.state import STATE_DIR, STATE_FILE
-from kvpatch.state import JOURNAL_FILE
+from kvpatch.names import JOURNAL_FILE
 from kvpatch.safepath import tmp_path
 from kvpatch.write import CRASH_ENV, GIT_KEY, TXN_DIR
 
@@ -101,11 +101,7 @@ def make_tree(tmp_path: Path, name: str, with_git: bool) -> Path:
     root = tmp_path / name
     shutil.copytree(EXAMPLE, root)
     if with_git:
-        git(root, "init", "-q", "-b", "main")
-        git(root, "config", "user.name", "tester")
-        git(root, "config", "user.email", "tester@example.com")
-        git(root, "add", "-A")
-        git(root, "commit", "-qm", "upstream")
+        git_init(root)
     return root
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from conftest import EXAMPLE, FI_MLA, git, tree_hashes
+from conftest import EXAMPLE, FI_MLA, git, git_init, tree_hashes
 from kvpatch import checkout
 from kvpatch import patch as P
 from kvpatch.cli import main
@@ -59,12 +59,7 @@ def planned(tree: Path) -> list:
 
 
 def make_repo(tree: Path) -> Path:
-    git(tree, "init", "-q", "-b", "main")
-    git(tree, "config", "user.name", "tester")
-    git(tree, "config", "user.email", "tester@example.com")
-    git(tree, "add", "-A")
-    git(tree, "commit", "-qm", "upstream")
-    return tree
+    return git_init(tree)
 
 
 # -- item 1: hooks, --no-verify, signing --------------------------------------

@@ -74,10 +74,8 @@ def one_error_line(result) -> str:
 
 
 @pytest.fixture
-def tree(tmp_path) -> Path:
-    dst = tmp_path / "sglang"
-    shutil.copytree(EXAMPLE, dst)
-    return dst
+def tree(example) -> Path:
+    return example  # conftest.py: a copy of examples/sglang
 
 
 def n_writes(root: Path) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FI_MLA, REPO, git, tree_hashes
+from conftest import FI_MLA, REPO, git, git_init, tree_hashes
 from kvpatch.runtime import RUNTIME_FILENAME
 
 pty = pytest.importorskip("pty", reason="apply -i is driven through a POSIX pseudo-terminal")
@@ -42,12 +42,7 @@ def tree(example) -> Path:
 
 @pytest.fixture
 def tree_git(tree) -> Path:
-    git(tree, "init", "-q", "-b", "main")
-    git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
-    git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "upstream")
-    git(tree, "config", "user.name", "tester")
-    git(tree, "config", "user.email", "tester@example.com")
-    return tree
+    return git_init(tree)
 
 
 def spawn(*args: str):

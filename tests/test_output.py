@@ -8,7 +8,8 @@ import shutil
 
 from click.testing import CliRunner
 
-from kvpatch.cli import CLEAR_LINE, Out, main
+from kvpatch.cli import Out, main
+from kvpatch.cli_out import CLEAR_LINE
 
 
 def run(*args):

@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 from conftest import git, tree_hashes
 from kvpatch.cli import main
-from kvpatch.upgrade import JSON_SCHEMA, SITE_CATEGORIES, _excerpt, normalize_statement
+from kvpatch.upgrade.inventory import _excerpt, normalize_statement
+from kvpatch.upgrade.model import JSON_SCHEMA, SITE_CATEGORIES
 
 FI = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"
 FA = "python/sglang/srt/layers/attention/flashattention_backend.py"

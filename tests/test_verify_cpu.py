@@ -25,13 +25,7 @@ BACKEND = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"
 RT_REL = str(Path(BACKEND).parent / "_kvpatch_runtime.py")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CPU cases are tiny: torch's thread pool only adds overhead (and noise on busy CI).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def make_checkout(tmp: Path, patched_text: str = None, runtime_text: str = None,
@@ -223,6 +217,14 @@ def test_catches_wrong_rows(tmp_path, runtime_text):
     assert BACKEND in text
 
 
+def golden_with_site_unpatched(wrapper: str) -> str:
+    """The golden patched file with the kv_for_kernel site that feeds WRAPPER cast again (.to(q.dtype))."""
+    return _sub_first(
+        r"_kvpatch_rt\.kv_for_kernel\(\s*(self\.token_to_kv_pool\.get_key_buffer\("
+        r"layer\.layer_id\)),\s*" + wrapper + r",[^)]*\)", r"\1.to(q.dtype)",
+        GOLDEN.read_text())
+
+
 def _sub_first(pattern, repl, text, within=None):
     start = text.index(within) if within else 0
     m = re.compile(pattern, re.S).search(text, start)
@@ -258,10 +260,7 @@ def test_catches_plan_dtype_mismatch(tmp_path):
 
 def test_catches_prefill_site_left_unpatched(tmp_path):
     # Outputs stay equal: only the full-pool cast detector can see this.
-    text = _sub_first(
-        r"_kvpatch_rt\.kv_for_kernel\(\s*(self\.token_to_kv_pool\.get_key_buffer\("
-        r"layer\.layer_id\)),\s*prefill_wrapper_paged,[^)]*\)", r"\1.to(q.dtype)",
-        GOLDEN.read_text())
+    text = golden_with_site_unpatched("prefill_wrapper_paged")
     r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",))
     assert not r.ok
     assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_extend"}
@@ -274,10 +273,7 @@ def test_catches_prefill_site_left_unpatched(tmp_path):
 
 
 def test_catches_decode_site_left_unpatched(tmp_path):
-    text = _sub_first(
-        r"_kvpatch_rt\.kv_for_kernel\(\s*(self\.token_to_kv_pool\.get_key_buffer\("
-        r"layer\.layer_id\)),\s*decode_wrapper,[^)]*\)", r"\1.to(q.dtype)",
-        GOLDEN.read_text())
+    text = golden_with_site_unpatched("decode_wrapper")
     r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",), graph=False)
     assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_decode"}
     assert all("full-pool cast not removed" in c.message for c in r.failures)

@@ -21,7 +21,7 @@ from kvpatch.cli import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from kvpatch.verify.fa3_reference import flash_attn_with_kvcache, merge_state_v2  # noqa: E402
 from test_releases import RELEASES_ENV, _release_root  # noqa: E402
-from test_verify_cpu import _one_thread  # noqa: E402,F401  (autouse: one torch thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "fa3"

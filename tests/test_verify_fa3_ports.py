@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from kvpatch.cli import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from test_verify_fa3 import CASCADE_OMITTED, CHECKOUTS_ENV, LOCAL_HEAD, SHORT, failures_text  # noqa: E402
-from test_verify_cpu import _one_thread  # noqa: E402,F401  (autouse: one torch thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "musa"

@@ -29,13 +29,7 @@ LOCAL_RELEASES = Path("/work/cache/releases")
 XPU_IN_PACKAGE = "srt/layers/attention/xpu_backend.py"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny CPU cases: torch's thread pool only adds overhead on a shared machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def patched_release(version, tmp_path_factory, monkeypatch, runtime_text=None) -> Path:

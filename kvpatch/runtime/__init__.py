@@ -13,6 +13,9 @@ from pathlib import Path
 from kvpatch import __version__
 from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE, RUNTIME_VERSION_VAR
 
+# RUNTIME_FILENAME is re-exported: kvpatch/patch.py and the tests take it from here.
+__all__ = ["RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
+
 _TEMPLATE = Path(__file__).with_name("kvpatch_runtime.py")
 _STAMP = re.compile(rf'^{KVPATCH_VERSION_VAR} = "[^"]*"$', re.M)
 _VERSION = re.compile(rf'^{RUNTIME_VERSION_VAR} = "([^"]*)"$', re.M)

@@ -10,6 +10,7 @@ Self-contained on purpose: `kvpatch apply` copies it into the checkout as
 on CUDA) and never kvpatch.
 """
 
+import importlib
 import logging
 import math
 import os
@@ -175,7 +176,7 @@ def _native_available():
 def _triton_available():
     if "triton" not in _probe_cache:
         try:
-            import triton  # noqa: F401
+            importlib.import_module("triton")
 
             _probe_cache["triton"] = True
         except Exception:

@@ -92,8 +92,6 @@ gitref (a git ref as a tree), flow (the run), render (text, SARIF),
 command (the CLI body).
 """
 
-from kvpatch.upgrade.model import JSON_SCHEMA, SITE_CATEGORIES, PLAN_CATEGORIES, SCHEMA_ID, Upgrade, Entry, UpgradeError  # noqa: F401
-from kvpatch.upgrade.inventory import normalize_statement, _excerpt, is_cast_call  # noqa: F401
-from kvpatch.upgrade.flow import run_upgrade, upgrade_against  # noqa: F401
-from kvpatch.upgrade.render import render, to_sarif, summary_line  # noqa: F401
-from kvpatch.upgrade.command import cli_audit  # noqa: F401
+from kvpatch.upgrade.command import cli_audit
+
+__all__ = ["cli_audit"]  # kvpatch/cli.py calls upgrade.cli_audit

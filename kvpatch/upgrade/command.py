@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 from kvpatch.upgrade.flow import run_upgrade, upgrade_against
-from kvpatch.upgrade.model import EXIT_ERROR, NEW, UpgradeError
+from kvpatch.upgrade.model import EXIT_ERROR, UpgradeError
 from kvpatch.upgrade.render import render, summary_line, to_sarif
 
 # -- the command -------------------------------------------------------------------------

@@ -111,6 +111,14 @@ class Trees:
         return best
 
 
+def _by_function(records) -> Dict[Tuple[str, str], List]:
+    """records grouped by (file, qualname), in order."""
+    out: Dict[Tuple[str, str], List] = {}
+    for r in records:
+        out.setdefault((r.file, r.qualname), []).append(r)
+    return out
+
+
 def _nb(buffer: Optional[str]) -> str:
     """A buffer expression without its layout (a reformat keeps the identity)."""
     return re.sub(r",\)", ")", re.sub(r"\s+", "", buffer or ""))
@@ -202,9 +210,7 @@ def compare_sites(old_sites: List, new_sites: List, t: Trees) -> List[Entry]:
         e.action = n.status in _ACTION
         e.action_why = f"new {_s(n)}"
         out.append(e)
-    new_by_fn: Dict[Tuple[str, str], List] = {}
-    for n in new_sites:
-        new_by_fn.setdefault((n.file, n.qualname), []).append(n)
+    new_by_fn = _by_function(new_sites)
     for o in only_old:
         e = Entry(REMOVED, o, None, statement_changed=True)
         file, qualname, moved = o.file, o.qualname, ""
@@ -271,9 +277,7 @@ def compare_plans(old_plans: List, new_plans: List, t: Trees) -> List[Entry]:
         e.action = n.status == PLAN_UNSUPPORTED
         e.action_why = f"new unsupported plan call: {_one(n.reason)}"
         out.append(e)
-    new_by_fn: Dict[Tuple[str, str], List] = {}
-    for n in new_plans:
-        new_by_fn.setdefault((n.file, n.qualname), []).append(n)
+    new_by_fn = _by_function(new_plans)
     for o in only_old:
         e = Entry(REMOVED, o, None, statement_changed=True)
         if not t.new.present(o.file, o.qualname):

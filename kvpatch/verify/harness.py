@@ -42,8 +42,7 @@ from .spec import DFLASH, EAGLE
 from .fa3 import verify_fa3_target
 from .targets import FA3, Target, find_targets
 from .verifier import FileVerifier
-# gpu/verify_real.py imports BIG_SHAPES and GPU_SHAPES from here.
-from .world import BIG_SHAPES, CPU_SHAPES, GPU_SHAPES, QUICK_SHAPES, HarnessError, Shapes, World  # noqa: F401
+from .world import CPU_SHAPES, GPU_SHAPES, QUICK_SHAPES, HarnessError, Shapes, World
 
 
 def _find_runtime(module):

@@ -130,18 +130,12 @@ class BatchMLAPagedAttentionWrapper:
             raise ValueError("o_scale is only supported with the cutlass backend for now.")
         # FlashInfer's checks, same order and text: its launcher reinterprets
         # storage by the planned dtypes, so a mismatch would be silent garbage.
-        if q_nope.dtype != self._q_data_type:
-            raise ValueError(f"q_nope.dtype={q_nope.dtype} does not match the planned "
-                             f"q_data_type={self._q_data_type}.")
-        if q_pe.dtype != self._q_data_type:
-            raise ValueError(f"q_pe.dtype={q_pe.dtype} does not match the planned "
-                             f"q_data_type={self._q_data_type}.")
-        if ckv_cache.dtype != self._kv_data_type:
-            raise ValueError(f"ckv_cache.dtype={ckv_cache.dtype} does not match the planned "
-                             f"kv_data_type={self._kv_data_type}.")
-        if kpe_cache.dtype != self._kv_data_type:
-            raise ValueError(f"kpe_cache.dtype={kpe_cache.dtype} does not match the planned "
-                             f"kv_data_type={self._kv_data_type}.")
+        for name, t, planned, field in (("q_nope", q_nope, self._q_data_type, "q_data_type"),
+                                        ("q_pe", q_pe, self._q_data_type, "q_data_type"),
+                                        ("ckv_cache", ckv_cache, self._kv_data_type, "kv_data_type"),
+                                        ("kpe_cache", kpe_cache, self._kv_data_type, "kv_data_type")):
+            if t.dtype != planned:
+                raise ValueError(f"{name}.dtype={t.dtype} does not match the planned {field}={planned}.")
         kv_is_fp8 = self._kv_data_type == torch.float8_e4m3fn
         if kv_is_fp8:
             if (ckv_scale is None) == (ckv_scale_arr is None):

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
                 "tests/test_verify_cpu.py)", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_verify_cpu import (GOLDEN, SHIFTED, SHORT, STALE, _sub_first,  # noqa: E402
+from test_verify_cpu import (GOLDEN, SHIFTED, SHORT, STALE, _sub_first, golden_with_site_unpatched,  # noqa: E402
                              failures_text, make_checkout)
 
 from kvpatch.verify import run_verify  # noqa: E402
@@ -120,10 +120,7 @@ def test_catches_stale_indptr_under_graph(tmp_path):
 
 
 def test_catches_prefill_site_left_unpatched_on_gpu(tmp_path):
-    text = _sub_first(
-        r"_kvpatch_rt\.kv_for_kernel\(\s*(self\.token_to_kv_pool\.get_key_buffer\("
-        r"layer\.layer_id\)),\s*prefill_wrapper_paged,[^)]*\)", r"\1.to(q.dtype)",
-        GOLDEN.read_text())
+    text = golden_with_site_unpatched("prefill_wrapper_paged")
     r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",))
     assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_extend"}
     assert all("full-pool cast not removed" in c.message for c in r.failures)
