@@ -8,9 +8,7 @@ GPU check not run (verify), 4 interrupted apply (status).
 
 from __future__ import annotations
 
-import os
 import shutil
-import traceback
 import sys
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ from kvpatch import __version__
 from kvpatch.cli_out import CONTEXT, Out, _check_rules, _root, _rules_opt
 from kvpatch.cli_out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
 from kvpatch.cli_out import _Main, _exit_help, apply_counts
-from kvpatch.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT, WHAT
+from kvpatch.exitcodes import EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT
 
 
 JOBS_HELP = "Worker processes (default: [tool.kvpatch] jobs in pyproject.toml, else up to 2)."

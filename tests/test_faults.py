@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXAMPLE, git, git_init
-from kvpatch import gittxn, write
+from kvpatch import gittxn, revert, write
 from kvpatch import patch as P
 from kvpatch.cli import main
 from kvpatch.gittxn import BRANCH_PREFIX, HEADS, INDEX_LOCK
@@ -364,7 +364,7 @@ def test_a_kill_while_cleaning_up_never_leaves_a_journal_without_its_backups(tmp
 
     monkeypatch.setattr(write.shutil, "rmtree", half_rmtree)
     with pytest.raises(_Killed):
-        getattr(P, cmd)(root)
+        {"apply": P.apply, "revert": revert.revert}[cmd](root)
     monkeypatch.undo()
     assert after_kill(root, before, outcomes[cmd, True][1], f"{cmd} killed while removing its backups") != \
         INTERRUPTED  # everything was in place: the write is done, whatever scratch is left
