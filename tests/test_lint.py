@@ -18,6 +18,10 @@ from pyflakes.reporter import Reporter  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DIRS = ("kvpatch", "rules", "tests", "benchmarks", "gpu", "tools")
 SKIP = (REPO / "tests" / "data",)
+# Findings kept on purpose, each exactly: (file, message). The runtime probes whether Triton
+# loads by importing it; the runtime is copied into checkouts as it is and was verified on the
+# GPU byte for byte, so it keeps its plain import rather than a rewrite for the linter.
+ALLOWED = {("kvpatch/runtime/kvpatch_runtime.py", "'triton' imported but unused")}
 
 
 def _sources():
@@ -34,4 +38,9 @@ def test_pyflakes_reports_nothing():
     assert len(files) > 50, "the package dirs were not found"
     found = sum(pyflakes_api.checkPath(str(p), reporter) for p in files)
     text = (out.getvalue() + err.getvalue()).replace(str(REPO) + "/", "")
-    assert found == 0 and not text, f"pyflakes findings:\n{text}"
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    left = [ln for ln in lines if not any(ln.startswith(f + ":") and ln.endswith(m) for f, m in ALLOWED)]
+    assert found == len(lines) and not left, "pyflakes findings:\n" + "\n".join(left)
+    # Each allowance still matches a finding: one that no longer does is removed, not kept.
+    for f, m in ALLOWED:
+        assert any(ln.startswith(f + ":") and ln.endswith(m) for ln in lines), f"stale allowance {f}: {m}"

@@ -10,7 +10,6 @@ Self-contained on purpose: `kvpatch apply` copies it into the checkout as
 on CUDA) and never kvpatch.
 """
 
-import importlib
 import logging
 import math
 import os
@@ -176,7 +175,7 @@ def _native_available():
 def _triton_available():
     if "triton" not in _probe_cache:
         try:
-            importlib.import_module("triton")
+            import triton  # noqa: F401
 
             _probe_cache["triton"] = True
         except Exception:
