@@ -76,6 +76,14 @@ def prove_noop(form: CastForm, ctx: UnitContext) -> NoopVerdict:
     return NoopVerdict(False, "")
 
 
+def unreachable(cast: cst.Call, ctx: UnitContext) -> str:
+    """Why `cast` never runs (every path leaves its block first), or "". Such a cast
+    costs nothing: it is not a dead store, whose cast runs on every call."""
+    if ctx.flow.reachable(ctx.statement_of(cast)):
+        return ""
+    return "unreachable: a return, raise, break or continue comes first on every path, so this cast never runs"
+
+
 def dead_result(cast: cst.Call, consumers: List[Consumer], ctx: UnitContext) -> str:
     """Why the result of `cast` is never read as data (a dead store), or "" when
     something may read it. A dead cast still casts the whole pool every call."""

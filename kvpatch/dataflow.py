@@ -11,7 +11,7 @@ end a path. Nested functions and classes are opaque.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
@@ -101,6 +101,7 @@ class FunctionFlow:
     defs: List[Definition] = field(default_factory=list)
     reaching: Dict[cst.Name, FrozenSet[int]] = field(default_factory=dict)
     stmt_state: Dict[cst.CSTNode, Dict[str, FrozenSet[int]]] = field(default_factory=dict)
+    dead: Set[cst.CSTNode] = field(default_factory=set)  # statements the walk met with no path in
 
     # -- queries ---------------------------------------------------------
     def defs_of(self, name_node: cst.Name) -> List[Definition]:
@@ -108,6 +109,12 @@ class FunctionFlow:
 
     def uses_of(self, d: Definition) -> List[cst.Name]:
         return [n for n, ids in self.reaching.items() if d.id in ids]
+
+    def reachable(self, stmt: cst.CSTNode) -> bool:
+        """False only for a statement every path skips: one after a return, raise, break or
+        continue in its block (a statement the walk never met, in a nested def, counts as
+        reachable: nothing is proven about it)."""
+        return not (stmt in self.dead and stmt not in self.stmt_state)
 
     def defs_at(self, stmt: cst.CSTNode, name: str) -> List[Definition]:
         """Definitions of `name` reaching the start of statement `stmt`."""
@@ -159,6 +166,8 @@ class _Builder:
         for stmt in body:
             if state is not None:
                 self.flow.stmt_state[stmt] = dict(state)
+            else:
+                self.flow.dead.add(stmt)
             state = self.stmt(state, stmt)
         return state
 

@@ -22,7 +22,7 @@ import libcst as cst
 
 from kvpatch import discover, suppress
 from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
-from kvpatch.classify import prove_noop
+from kvpatch.classify import prove_noop, unreachable
 from kvpatch.locate import locate, mla_plan_shape
 from kvpatch.names import MLA_PLAN_FUNCTIONS, PLAN_METHOD, POOL_GETTERS
 from kvpatch.match import FileContext, UnitContext, consumer_names, is_attr
@@ -283,7 +283,10 @@ def _cast_form_name(cand: CastCandidate, ctx: UnitContext) -> str:
 def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_rules, fallback) -> None:
     decision: Optional[Decision] = None
     rule: Optional[Rule] = None
-    if cand.origin.kind == "pool":
+    never = unreachable(cand.call, ctx)
+    if never:
+        decision, rule = Decision(NOOP, never), fallback
+    elif cand.origin.kind == "pool":
         verdict = prove_noop(cand.form, ctx)
         if verdict.noop:
             decision, rule = Decision(NOOP, verdict.reason), fallback

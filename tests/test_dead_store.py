@@ -63,3 +63,50 @@ def test_a_cast_reaching_helper_methods_names_them_and_what_a_rewrite_needs():
     assert "`self._forward_fa3` is a method of this class" in site.reason, site.reason
     assert "`dequantize_k_cache_paged` takes the whole cast pool" in site.reason, site.reason
     assert "no rule rewrites this consumer" not in site.reason
+
+
+FI_MLA = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"
+DISABLED_DECODE = '''
+class FlashInferMLAAttnBackend:
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, k_rope=None):
+{raise_line}        decode_wrapper = self.forward_metadata.decode_wrapper
+        q_nope = q.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        o = q_nope.new_empty(q_nope.shape)
+        o = decode_wrapper.run(q_nope, q_rope, k_buffer[:, :, : layer.v_head_dim], k_buffer[:, :, layer.v_head_dim :],
+                               out=o)
+        return o
+'''
+
+
+def test_an_unreachable_cast_is_a_no_op_not_a_dead_store():
+    """A fork that disables a forward with a `raise` on top (seen in fzyzcjy/sglang): the cast
+    below never runs, so it costs nothing, and its result is read by the kernel call: it is
+    neither hot nor a dead store. Without the raise, the same site is hot and names the kernel."""
+    from kvpatch.sites import NOOP
+
+    rules = load_rules()
+    off = analyze_source(FI_MLA, DISABLED_DECODE.format(
+        raise_line='        raise NotImplementedError("disabled in this fork")\n').encode(), rules)
+    (site,) = off.sites
+    assert site.status == NOOP and not site.fixable, site.reason
+    assert site.reason.startswith("unreachable") and "dead store" not in site.reason
+    on = analyze_source(FI_MLA, DISABLED_DECODE.format(raise_line="").encode(), rules)
+    (site,) = on.sites
+    assert site.status == HOT and "dead store" not in site.reason
+    assert "decode_wrapper.run" in site.kernel
+
+
+@pytest.mark.parametrize("body", [
+    f"if q is None:\n    return None\nkv = {CAST}\nreturn kern(q, kv, forward_batch.kv_indices)",  # one path leaves
+    f"for i in range(2):\n    if i:\n        continue\n    kv = {CAST}\n    kern(q, kv, forward_batch.kv_indices)",
+    f"try:\n    raise ValueError\nexcept ValueError:\n    kv = {CAST}\nreturn kern(q, kv, forward_batch.kv_indices)",
+])
+def test_a_cast_that_some_path_reaches_is_not_unreachable(body):
+    assert not _site(body).reason.startswith("unreachable")
+
+
+def test_a_cast_after_continue_in_a_loop_is_unreachable():
+    site = _site(f"for i in range(2):\n    continue\n    kv = {CAST}\n    kern(q, kv, forward_batch.kv_indices)\n"
+                 "return None")
+    assert site.reason.startswith("unreachable"), site.reason
