@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvpatch import checkout, git
-from kvpatch.git import BRANCH_PREFIX, HEADS, INDEX_LOCK
+from kvpatch.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, PACKED_REFS
 from kvpatch.safepath import UnsafePath
 
 # How many commits a write makes (apply: one; revert: one): undo strips no more.
@@ -73,9 +73,6 @@ def plan(root: Path, rec: dict, files: List[dict]) -> List[Tuple[str, List[str]]
         return []
     workdir = Path(info.workdir)
     git_dir = Path(_git(workdir, "rev-parse", "--absolute-git-dir"))
-    if (git_dir / INDEX_LOCK).exists():
-        raise GitUndoError(f"{git_dir / INDEX_LOCK} exists (a git command was killed while writing the index): "
-                           f"if no git command is running, remove it and run kvpatch recover again")
     head, commit = rec.get("head"), rec.get("commit")
     ours = _written(root, info, files)
     made = _kvpatch_branches(workdir) - set(rec.get("branches", [])) - {head}
@@ -114,7 +111,21 @@ def plan(root: Path, rec: dict, files: List[dict]) -> List[Tuple[str, List[str]]
             n = len(back)
             steps.append((f"reset {n} index entr{'y' if n == 1 else 'ies'} to {commit[:12]}",
                           ["reset", "-q", commit, "--", *back]))
+    _refuse_stale_locks(git_dir, steps)
     return steps
+
+
+def _refuse_stale_locks(git_dir: Path, steps: List[Tuple[str, List[str]]]) -> None:
+    """Asked before any file is touched: a lock git leaves when killed while writing
+    the index or a ref that a step writes would fail that step half-way through the
+    rollback. kvpatch cannot tell it from a live git command's lock, so it names it."""
+    locks = [INDEX_LOCK, f"{PACKED_REFS}.lock"]
+    for _, args in steps:
+        locks += [f"{a}.lock" for a in args if a == "HEAD" or a.startswith(HEADS)]
+    for name in dict.fromkeys(locks):
+        if (git_dir / name).exists():
+            raise GitUndoError(f"{git_dir / name} exists (a git command was killed while writing it): "
+                               f"if no git command is running, remove it and run kvpatch recover again")
 
 
 def undo(root: Path, steps: List[Tuple[str, List[str]]]) -> None:

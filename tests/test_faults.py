@@ -27,7 +27,7 @@ from conftest import EXAMPLE, git, git_init
 from kvpatch import gittxn, revert, write
 from kvpatch import patch as P
 from kvpatch.cli import main
-from kvpatch.gittxn import BRANCH_PREFIX, HEADS, INDEX_LOCK
+from kvpatch.gittxn import BRANCH_PREFIX, HEADS
 from kvpatch.state import STATE_DIR, STATE_FILE
 from kvpatch.names import JOURNAL_FILE
 from kvpatch.safepath import tmp_path
@@ -120,7 +120,7 @@ def after_kill(root: Path, before: tuple, after: tuple, where: str) -> str:
     assert "Traceback" not in st.output, (where, st.output)
     state = json.loads(st.stdout)["state"]
     if state == INTERRUPTED:
-        _clear_index_lock(root, where)
+        _clear_git_locks(root, where)
         rc = run("recover", root)
         assert rc.exit_code == 0 and "Traceback" not in rc.output, (where, rc.output)
         got = whole(root)
@@ -161,18 +161,22 @@ def test_a_kill_before_the_first_journal_leaves_scratch_that_recover_clears(tmp_
     assert r.exit_code == 0 and "nothing to recover" in r.output, r.output
 
 
-def _clear_index_lock(root: Path, where: str) -> None:
-    """A kill while git itself writes the index (git add, checkout -b, commit:
-    the commit is git's own, for the hooks) leaves git's index.lock. recover
-    cannot tell it from a live git process's, so it names the lock and touches
-    nothing; the user removes it, as git's own message says, and recovers."""
-    lock = root / ".git" / INDEX_LOCK
-    if not lock.exists():
+def _clear_git_locks(root: Path, where: str) -> None:
+    """A kill while git itself writes the index or a ref (git add, checkout -b, commit,
+    update-ref: the commit is git's own, for the hooks) leaves git's lock file
+    (index.lock, HEAD.lock, refs/heads/...lock). recover cannot tell it from a live
+    git process's, so it names the lock and touches nothing; the user removes it, as
+    git's own message says, and recovers."""
+    git_dir = root / ".git"
+    locks = sorted(p for p in git_dir.rglob("*.lock") if p.is_file())
+    if not locks:
         return
     held = whole(root)
     r = run("recover", root)
-    assert r.exit_code == 2 and INDEX_LOCK in r.output and whole(root) == held, (where, r.output)
-    lock.unlink()
+    named = [p for p in locks if p.relative_to(git_dir).as_posix() in r.output]
+    assert r.exit_code == 2 and named and whole(root) == held, (where, [str(p) for p in locks], r.output)
+    for p in locks:
+        p.unlink()
 
 
 def _shape(w: tuple) -> tuple:
@@ -246,7 +250,7 @@ def test_kill_inside_the_git_commit_recovers_head_branches_and_index(tmp_path, o
     _, err = p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL, (p.returncode, err)
     hook_file.unlink()
-    _clear_index_lock(root, f"{cmd} killed at {hook}")
+    _clear_git_locks(root, f"{cmd} killed at {hook}")
     killed = whole(root)
     dry = run("recover", "--dry-run", root)
     assert dry.exit_code == 0 and whole(root) == killed, dry.output
@@ -450,3 +454,28 @@ def test_kill_at_random_instants_on_a_real_checkout(tmp_path, checkout, cmd):
         p.communicate(timeout=60)
         after_kill(root, before, after, f"{cmd} on {Path(checkout).name} killed at random (seed {seed})")
         shutil.rmtree(root)
+
+
+def test_a_stale_ref_lock_is_named_before_recover_touches_anything(tmp_path, outcomes):
+    """A kill while git writes a branch (update-ref) leaves refs/heads/...lock (seen in CI's
+    random kills of revert). recover's rollback would move or delete that branch, so it names
+    the lock and touches nothing, as it does for index.lock; once removed, recover restores all."""
+    root = prepare(tmp_path, "t", "apply", True)
+    before = whole(root)
+    hook_file = root / ".git" / "hooks" / "post-commit"
+    hook_file.write_text(KILL_HOOK)
+    hook_file.chmod(0o755)
+    p = start("apply", root)
+    p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGKILL
+    hook_file.unlink()
+    (branch,) = git(root, "for-each-ref", "--format=%(refname)", HEADS + BRANCH_PREFIX).split()
+    lock = root / ".git" / f"{branch}.lock"
+    lock.write_text("")
+    killed = whole(root)
+    r = run("recover", root)
+    assert r.exit_code == 2 and f"{branch}.lock" in r.output and "remove it" in r.output, r.output
+    assert whole(root) == killed  # no file restored, no ref moved: all of it is still to do
+    lock.unlink()
+    assert run("recover", root).exit_code == 0
+    assert whole(root)[0] == before[0] and whole(root)[1] == before[1]
