@@ -9,6 +9,7 @@ CLI is loaded, so there is nothing to roll back.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from kvpatch.exitcodes import EXIT_USER_INTERRUPT
@@ -20,7 +21,14 @@ def run(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.stderr.write("Error: interrupted (nothing was written)\n")
         sys.exit(EXIT_USER_INTERRUPT)
-    main(argv, prog_name="kvpatch")
+    try:
+        main(argv, prog_name="kvpatch")
+    finally:
+        # The command is over: done, or rolled back. A Ctrl-C (or SIGTERM) landing while the
+        # interpreter shuts down (Python 3.10 waits on its threads there) has nothing left
+        # to stop, and must not print a KeyboardInterrupt traceback after the last line.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

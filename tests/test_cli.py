@@ -210,3 +210,20 @@ def test_a_rule_paired_with_a_left_out_rule_rewrites_nothing(example):
     r = run("apply", "--rules", "KVP102", example)
     assert r.exit_code in (0, 1), r.output
     assert tree_hashes(example) == before
+
+
+def test_a_ctrl_c_while_the_interpreter_exits_prints_no_traceback():
+    """Seen in CI on Python 3.10: a process-group SIGINT that lands after the command's
+    last line, while the interpreter shuts down, printed a KeyboardInterrupt traceback.
+    Once the command is over (done, or rolled back) there is nothing left to stop."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, os, signal\n"
+            "import kvpatch.__main__ as m\n"
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"  # lands during shutdown
+            "m.run(['--version'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert __version__ in r.stdout
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
