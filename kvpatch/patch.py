@@ -131,17 +131,16 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
     runtime_dirs: Dict[str, None] = {}
     pending: List[Tuple[FileAnalysis, List[choose.Change]]] = []
     for f in scan.files:
-        got = f.planned
+        fa, got = None, f.planned
         if ask is not None and got is not None:
-            got = _rewrite(got, rules, keep_analysis=True)
+            fa, got = got, _rewrite(got, rules)
         if isinstance(got, FileError):
             patch.refused.append(got)
-        elif isinstance(got, tuple):
-            fa, rw = got
-            if rw is not None and rw.changed:
-                pending.append((fa, choose.changes(fa, rules, rw)))
         elif got is not None and got.changed:
-            patch.rewrites.append(got)
+            if fa is not None:
+                pending.append((fa, choose.changes(fa, rules, got)))
+            else:
+                patch.rewrites.append(got)
     if ask is not None:
         _ask(patch, rules, pending, ask)
     for rw in patch.rewrites:
@@ -161,15 +160,13 @@ def build(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int
     return patch
 
 
-def _rewrite(fa: FileAnalysis, rules, keep_analysis: bool = False):
+def _rewrite(fa: FileAnalysis, rules):
     """scan_tree's `plan` hook for apply, run where the file was analysed: its
-    rewrite, or the reason it is refused (with `keep_analysis`, paired with the
-    analysis that apply -i asks from)."""
+    rewrite, or the reason it is refused."""
     try:
-        rw = plan_rewrite(fa, rules)
+        return plan_rewrite(fa, rules)
     except RewriteError as exc:
         return FileError(fa.rel, str(exc))
-    return (fa, rw) if keep_analysis else rw
 
 
 def _analysis(fa: FileAnalysis, rules) -> FileAnalysis:

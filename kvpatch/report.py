@@ -92,11 +92,10 @@ def applied_counts(patch) -> Tuple[Dict[str, int], Dict[str, int]]:
     """(site counts, plan call counts) as the checkout stands after `patch` is
     written: each site and plan call in a rewrite is patched; the rest, declined
     and unasked ones of apply -i included, keep the status the scan gave them."""
-    # The rewrites' records come from a second analysis of the same bytes: match by place.
-    sites = {(s.file, s.line) for r in patch.rewrites for s in r.sites}
-    plans = {(p.file, p.line) for r in patch.rewrites for p in r.plans}
-    c = Counter(PATCHED if (s.file, s.line) in sites else s.status for s in patch.scan.sites)
-    pc = Counter(PLAN_PATCHED if (p.file, p.line) in plans else p.status for p in patch.scan.plans)
+    # The rewrites hold the scan's own records (apply analyses each file once).
+    done = {id(r) for rw in patch.rewrites for r in rw.sites + rw.plans}
+    c = Counter(PATCHED if id(s) in done else s.status for s in patch.scan.sites)
+    pc = Counter(PLAN_PATCHED if id(p) in done else p.status for p in patch.scan.plans)
     return {k: c.get(k, 0) for k in SITE_STATUSES}, {k: pc.get(k, 0) for k in PLAN_STATUSES}
 
 

@@ -44,9 +44,15 @@ class FileRewrite:
     new_text: str
     new_bytes: bytes
     needs_runtime: bool
-    sites: List = field(default_factory=list)  # Site records rewritten
-    plans: List = field(default_factory=list)  # PlanCall records rewritten
-    done: List[Rewritten] = field(default_factory=list)  # the same records, sites first, where they went
+    done: List[Rewritten] = field(default_factory=list)  # each record rewritten (sites first), where it went
+
+    @property
+    def sites(self) -> List[Site]:
+        return [d.record for d in self.done if isinstance(d.record, Site)]
+
+    @property
+    def plans(self) -> List[PlanCall]:
+        return [d.record for d in self.done if isinstance(d.record, PlanCall)]
 
     @property
     def changed(self) -> bool:
@@ -188,10 +194,7 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule], keep: Optional[Sequenc
         q, rel_line, statement = found[id(d)]
         pu = fa.units[q]
         rewritten.append(Rewritten(d.record, pu.file_line(rel_line, moved(pu.unit.start)), statement))
-    records = [d.record for d in done]
-    return FileRewrite(fa.rel, fa.text, new_text, encode(new_text, fa.encoding, fa.bom), needs_runtime,
-                       [r for r in records if isinstance(r, Site)], [r for r in records if isinstance(r, PlanCall)],
-                       rewritten)
+    return FileRewrite(fa.rel, fa.text, new_text, encode(new_text, fa.encoding, fa.bom), needs_runtime, rewritten)
 
 
 def _fix_key(rec) -> tuple:
