@@ -17,6 +17,7 @@ import libcst as cst
 
 from kvpatch.codegen import IMPORT_LINE
 from kvpatch.engine import FileAnalysis, analyze_source
+from kvpatch.removal import removed_line
 from kvpatch.rule import InsertStatement, NeedRuntime, ReplaceNode, Rule
 from kvpatch.sites import PlanCall, Site
 from kvpatch.units import encode, ranges, splice
@@ -172,6 +173,9 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule], keep: Optional[Sequenc
         for d in mine:
             node, stmt = apply.became.get(d.node), apply.became.get(d.statement)
             at = where.get(node) or where.get(stmt)
+            if at is None and stmt is not None and d.rule is not None and d.rule.REMOVES:
+                found[id(d)] = (q, removed_line(pu, d.statement), "")  # deleted: no statement to keep
+                continue
             if at is None or stmt is None:
                 raise RewriteError(f"{fa.rel}: the rewrite of {q} lost the statement at line {d.record.line}")
             found[id(d)] = (q, at.start.line, new_module.code_for_node(stmt).strip())

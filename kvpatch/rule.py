@@ -164,6 +164,8 @@ class Rule:
     NEEDS_ALL: ClassVar[Optional[str]] = None
     FALLBACK: ClassVar[bool] = False
     EMITS: ClassVar[Tuple[str, ...]] = ()
+    # The rule's rewrite deletes the site's statement: nothing of it is left to audit as patched.
+    REMOVES: ClassVar[bool] = False
     enabled: bool = True  # False: selected out by --rules; decides, never rewrites
 
     def patched(self, call: cst.Call, ctx) -> Optional[Patched]:

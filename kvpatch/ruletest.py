@@ -96,4 +96,7 @@ def check(case: Case, rules: Sequence[Rule]) -> Optional[str]:
         return "a second apply must change nothing"
     patched = [r for r in _decided_by(again, rule) + [s for s in again.sites if s.status == PATCHED]
                if r.status in (PATCHED, PLAN_PATCHED)]
+    if rule.REMOVES:  # the site's statement is gone: none of its casts may be left
+        left = [r for r in _decided_by(again, rule)]
+        return f"the deleted site is still there (line {left[0].line})" if left else None
     return None if patched else "the rewritten example must audit as patched"

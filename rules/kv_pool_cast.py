@@ -144,21 +144,10 @@ def forward_extend(self, q, layer, forward_batch):
 class AiterAttnBackend:
     def forward_decode(self, q, layer, forward_batch):
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        return mla_decode_fwd(q, k_buffer.view(-1, 1, 1, 576), self.kv_indptr, self.kv_indices)
+        return mla_decode_fwd(q, k_buffer.shape[0], self.kv_indptr, self.kv_indices)
 """,
             status=HOT,
-            why="a dead store: the cast is overwritten before any read, yet still casts the whole pool",
-        ),
-        Invalid(
-            """
-class NpuBackend:
-    def forward_extend(self, q, layer, forward_batch):
-        self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        return self.kernel(q, forward_batch)
-""",
-            status=HOT,
-            why="a discarded cast (expression statement) is a dead store, not a result that escapes",
+            why="a dead store read only for its shape: still casts the whole pool (KVP104 deletes unread ones)",
         ),
     )
 
@@ -190,8 +179,8 @@ class NpuBackend:
         dead = dead_result(cand.call, cand.consumers, ctx)
         if dead:
             return Decision(HOT, f"full-pool cast that is a dead store: {dead}. It still casts the whole layer "
-                                 f"pool on every call, for nothing: delete the cast (no rule rewrites dead "
-                                 f"code).{guard}")
+                                 f"pool on every call, for nothing: a rewrite needs the read taken from the "
+                                 f"uncast pool, then the cast deleted.{guard}")
         escapes = [c for c in cand.consumers if c.kind in ("return", "yield", "store", "unknown")]
         if escapes:
             return Decision(UNSUPPORTED, f"full-pool cast whose result escapes through {describe(escapes[0], ctx)}: "

@@ -39,11 +39,58 @@ def _site(body: str):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_dead_cast_is_hot_and_named_a_dead_store(name):
+    """Issue 20: an unread dead cast is deleted by KVP104; one read for metadata stays report-only."""
     body, detail = CASES[name]
     site = _site(body)
-    assert site.status == HOT and not site.fixable
+    assert site.status == HOT and site.fixable == (name != "metadata-only")
+    assert site.rule == ("KVP201" if name == "metadata-only" else "KVP104")
     assert "dead store" in site.reason and detail in site.reason, site.reason
     assert "no consumer" not in site.reason
+
+
+DEAD_FILE = '''import torch
+
+
+class FooBackend:
+    def forward_decode(self, q, layer, forward_batch):
+        # cast for the old kernel
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)  # FP8 -> BF16
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        return kern(q, kv, forward_batch.kv_indices)
+
+    def forward_extend(self, q, layer, forward_batch):
+        if q is not None:
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+        return kern(q, forward_batch.kv_indices)
+'''
+
+
+def test_apply_deletes_dead_casts_shows_them_in_the_diff_and_revert_restores_the_bytes(tmp_path):
+    from click.testing import CliRunner
+
+    from kvpatch.cli import main
+
+    path = tmp_path / REL
+    path.parent.mkdir(parents=True)
+    path.write_text(DEAD_FILE)
+    run = lambda *a: CliRunner().invoke(main, [*a, str(tmp_path)])  # noqa: E731
+    dry = run("apply", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert "-        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)  # FP8 -> BF16" \
+        in dry.output and "+        # FP8 -> BF16" in dry.output, dry.output
+    assert "+            pass" in dry.output
+    assert path.read_text() == DEAD_FILE  # a dry run writes nothing
+    done = run("apply")
+    assert done.exit_code == 0, done.output
+    new = path.read_text()
+    compile(new, REL, "exec")
+    assert ".to(q.dtype)" not in new and "# cast for the old kernel" in new and "# FP8 -> BF16" in new
+    assert "nothing to do" in run("apply").output  # idempotent
+    st = run("status")
+    assert st.exit_code == 0 and "drift" not in st.output.lower(), st.output
+    rv = run("revert")
+    assert rv.exit_code == 0, rv.output
+    assert path.read_bytes() == DEAD_FILE.encode()
 
 
 @pytest.mark.parametrize("body", [
