@@ -51,6 +51,21 @@ RAGGED_KERNELS: Dict[str, tuple] = {
 }
 RAGGED_CACHES = ("key_cache", "value_cache")
 RAGGED_LAYOUT = ("kv_cache_layout", "NHD")  # the layout whose dim 1 is the block
+# Kernels that take the ragged page list with rank-3 caches, one slot per page: aiter's
+# mha_batch_prefill_func (ROCm/aiter, aiter/ops/mha.py) reads, for request b, the rows
+# k[kv_page_indices[kv_indptr[b]:kv_indptr[b + 1]]] of its [slots, heads, dim] caches (the
+# linear layout: page size 1, no block_size argument). Its first eight parameters are the
+# same in every aiter version SGLang pins; the later ones moved between versions, so they
+# bind by keyword only, and only those that leave the row contract alone: a keyword that
+# changes the layout (block_table, kv_last_page_lens, kv_cache, kv_layout) does not bind.
+SLOT_RAGGED_KERNELS: Dict[str, tuple] = {
+    "mha_batch_prefill_func": (("q", "k", "v", "cu_seqlens_q", "kv_indptr", "kv_page_indices", "max_seqlen_q",
+                                "max_seqlen_k"),
+                               ("dropout_p", "softmax_scale", "logits_soft_cap", "causal", "window_size",
+                                "alibi_slopes", "deterministic", "return_lse", "return_attn_probs", "out",
+                                "sink_ptr", "q_descale", "k_descale", "v_descale")),
+}
+SLOT_CACHES = ("k", "v")
 
 
 @dataclass
@@ -60,6 +75,7 @@ class PagedArgs:
     seqlens: cst.BaseExpression  # for a ragged kernel: its kv_indptr (table: its kv_page_indices)
     by_position: bool  # bound through a PAGED_KERNELS or RAGGED_KERNELS signature
     block_size: Optional[cst.BaseExpression] = None  # set for a ragged kernel: the page size it is told
+    slot_rows: bool = False  # a SLOT_RAGGED_KERNELS call: it indexes the rows of the caches as handed
 
 
 def kw(call: cst.Call, name: str) -> Optional[cst.Arg]:
@@ -101,9 +117,22 @@ def _bind_ragged(call: cst.Call, params: tuple) -> Optional[PagedArgs]:
                      bound["block_size"])
 
 
+def _bind_slot_ragged(call: cst.Call, params: tuple) -> Optional[PagedArgs]:
+    positional, keywords = params
+    if sum(1 for a in call.args if a.keyword is None) > len(positional):
+        return None  # past the eighth, positions differ between aiter versions
+    bound = _bind_signature(call, positional + keywords)
+    if bound is None or not all(p in bound for p in SLOT_CACHES + ("kv_indptr", "kv_page_indices")):
+        return None
+    return PagedArgs([bound[p] for p in SLOT_CACHES], bound["kv_page_indices"], bound["kv_indptr"], True,
+                     cst.Integer("1"), slot_rows=True)
+
+
 def bind_paged(call: cst.Call) -> Optional[PagedArgs]:
     """The caches, table and lengths of a page-table call, or None if it is not one."""
     name = kernel_name(call)
+    if name in SLOT_RAGGED_KERNELS:
+        return _bind_slot_ragged(call, SLOT_RAGGED_KERNELS[name])
     if name in RAGGED_KERNELS:
         return _bind_ragged(call, RAGGED_KERNELS[name])
     params = PAGED_KERNELS.get(name)
@@ -136,6 +165,9 @@ def is_cache_arg(call: cst.Call, keyword: Optional[str], index: Optional[int]) -
     if bind_paged(call) is None:
         return False
     name = kernel_name(call)
+    if name in SLOT_RAGGED_KERNELS:
+        return keyword in SLOT_CACHES or (keyword is None and index is not None
+                                          and SLOT_RAGGED_KERNELS[name][0][index] in SLOT_CACHES)
     params = PAGED_KERNELS.get(name) or RAGGED_KERNELS.get(name)
     if params is None:
         return keyword in KEYWORD_KERNELS.get(name, (CACHE_KEYWORDS,))[0]

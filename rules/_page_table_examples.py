@@ -115,3 +115,51 @@ def _ragged(cache: str) -> str:
     """AITER_DECODE's cast of `cache`, rewritten (one level deeper: under the guard)."""
     return _patched("", cache, "self.input_dtype", "1", "lambda: _kvpatch_rt.ragged_pages(self.forward_metadata."
                     "kv_indptr, self.forward_metadata.kv_indices, 1)").replace("\n    ", "\n        ")
+# aiter's MHA extend (SGLang 2025-09 to 2026-02): both halves of the (k, v) pool cast under a guard,
+# handed unviewed (rank 3, one slot per page) to mha_batch_prefill_func with FlashInfer's ragged list.
+AITER_PREFILL = """
+class AiterAttnBackend:
+    def forward_extend(self, q, k, v, layer, forward_batch, sinks=None):
+        k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(
+            layer.layer_id
+        )
+
+        bs0 = forward_batch.batch_size + 1
+
+        # TODO kkhuang-amd need to remove it when mha_batch_prefill_func support fp8-kv
+        if self.kv_cache_dtype == fp8_dtype:
+            dtype = q.dtype
+            k_cache = k_cache.to(dtype)
+            v_cache = v_cache.to(dtype)
+
+        window_size = (-1, -1)
+        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            window_size = (layer.sliding_window_size, -1)
+
+        o = mha_batch_prefill_func(
+            q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim),
+            k_cache,
+            v_cache,
+            self.qo_indptr[:bs0],
+            self.forward_metadata.kv_indptr[:bs0],
+            self.forward_metadata.kv_indices,
+            self.forward_metadata.max_q_len,
+            self.forward_metadata.max_kv_len,
+            causal=True,
+            logits_soft_cap=self.logits_soft_cap,
+            alibi_slopes=None,
+            return_lse=False,
+            return_attn_probs=False,
+            window_size=window_size,
+            sink_ptr=sinks,
+        )
+
+        return o.view(-1, layer.tp_q_head_num * layer.head_dim)
+"""
+
+
+def _slot_ragged(cache: str) -> str:
+    """AITER_PREFILL's cast of `cache`, rewritten (page size 1: its caches are [slots, heads, dim])."""
+    return (f"_kvpatch_rt.kv_pages_for_kernel(\n                {cache},\n                dtype,\n                1,\n"
+            f"                lambda: _kvpatch_rt.ragged_pages(self.forward_metadata.kv_indptr[:bs0], "
+            f"self.forward_metadata.kv_indices, 1),\n            )")

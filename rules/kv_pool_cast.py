@@ -134,7 +134,7 @@ def forward_extend(self, q, layer, forward_batch):
     if self.kv_cache_dtype == fp8_dtype:
         k_cache = k_cache.to(q.dtype)
         v_cache = v_cache.to(q.dtype)
-    return mha_batch_prefill_func(q, k_cache, v_cache, block_table=forward_batch.block_table)
+    return mha_varlen_fwd(q, k_cache, v_cache, block_table=forward_batch.block_table)
 """,
             status=HOT,
             why="an MHA pool read as a (k, v) tuple, both halves cast under a guard",

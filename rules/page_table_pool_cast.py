@@ -26,15 +26,16 @@ import libcst as cst
 from kvpatch.candidates import CastCandidate
 from kvpatch.codegen import RUNTIME_ALIAS, cast_builder, lambda_tuple
 from kvpatch.match import Consumer, UnitContext, consumer_names
-from kvpatch.pagedcall import (PAGED_KERNELS, RAGGED_KERNELS, RAGGED_LAYOUT, PagedArgs, bind_paged, closure_tables,
-                               is_cache_arg, kernel_name, kw, walk)
+from kvpatch.pagedcall import (PAGED_KERNELS, RAGGED_KERNELS, RAGGED_LAYOUT, SLOT_RAGGED_KERNELS, PagedArgs,
+                               bind_paged, closure_tables, is_cache_arg, kernel_name, kw, walk)
 from kvpatch.stable import differs_at
 from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid, emitted_call, refuse_unless_plain_cast
 from kvpatch.sites import HOT, UNSUPPORTED
 
-from ._page_table_examples import (AITER_DECODE, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT, UNIFIED, XPU_CAST,
-                                   XPU_CAST_WRAPPED, XPU_DECODE, XPU_PREFILL, _patched, _ragged)
+from ._page_table_examples import (AITER_DECODE, AITER_PREFILL, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT, UNIFIED, XPU_CAST,
+                                   XPU_CAST_WRAPPED, XPU_DECODE, XPU_PREFILL, _patched, _ragged,
+                                   _slot_ragged)
 
 RAGGED = "ragged"  # marks a (kv_indptr, kv_page_indices) pair among the (page_table, lengths) pairs
 ABSORBED_KEYWORD = "qv"  # FA3's absorbed-MLA query half: the call reads the latent cache
@@ -214,6 +215,44 @@ class FlashAttentionBackend:
         ),
     )
 
+    INVALID += (
+        Invalid(
+            AITER_PREFILL,
+            expected=RT + AITER_PREFILL.replace("k_cache.to(dtype)", _slot_ragged("k_cache"))
+                                       .replace("v_cache.to(dtype)", _slot_ragged("v_cache")),
+            status="hot",
+            why="aiter MHA extend: mha_batch_prefill_func reads the rows kv_indices[kv_indptr[b]:kv_indptr[b+1]] "
+                "of its [slots, heads, dim] caches (page size 1); each half of the (k, v) pool cast under a guard",
+        ),
+        Invalid(
+            AITER_PREFILL.replace("        window_size = (-1, -1)\n",
+                                  "        window_size = (-1, -1)\n        page_table = self.forward_metadata.kv_indices\n")
+                         .replace("            self.forward_metadata.kv_indices,\n", "            page_table,\n"),
+            status="unsupported",
+            why="the page list is bound after the cast (SGLang 2026-01's SWA table): the runtime would read it "
+                "before it exists",
+        ),
+        Invalid(
+            AITER_PREFILL.replace("            k_cache,\n            v_cache,\n",
+                                  "            k_cache.view(-1, 1, layer.tp_k_head_num, layer.head_dim),\n"
+                                  "            v_cache.view(-1, 1, layer.tp_v_head_num, layer.head_dim),\n"),
+            status="unsupported",
+            why="a reshaped cache: the rows mha_batch_prefill_func indexes may not be the pool's slots",
+        ),
+        Invalid(
+            AITER_PREFILL.replace("            sink_ptr=sinks,\n",
+                                  "            sink_ptr=sinks,\n            block_table=self.forward_metadata.page_table,\n"),
+            status="hot",
+            why="a `block_table=` changes the kernel's layout: not bound, reported with what a rewrite needs",
+        ),
+        Invalid(
+            AITER_PREFILL.replace("            self.forward_metadata.max_kv_len,\n            causal=True,",
+                                  "            self.forward_metadata.max_kv_len,\n            0.0,\n            causal=True,"),
+            status="hot",
+            why="a ninth positional argument: past the eighth the parameters differ between aiter versions",
+        ),
+    )
+
     # -- recognise ----------------------------------------------------------
     def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
         # what decide() emits: <alias>.kv_pages_for_kernel(pool, dtype, page_size, ...)
@@ -276,6 +315,12 @@ class FlashAttentionBackend:
         sizes = {}
         for c in paged:
             node = next((n for n in map(_page_dim, c.views) if n is not None), None)
+            if bind_paged(c.call).slot_rows:  # it indexes the rows of the caches as handed: pages of one slot
+                if c.views:
+                    return "", (f"`{ctx.code(c.views[0])}` reshapes the cache before `{ctx.code(c.call.func)}`, "
+                                f"which indexes the rows of a [slots, heads, dim] cache: its rows may not be the "
+                                f"pool's slots")
+                node = cst.Integer("1")
             if node is None:
                 return "", (f"no `.view(-1, page_size, ...)` or `paged_view(x, page_size)` between the cast and "
                             f"`{ctx.code(c.call.func)}`: the size of the pages it reads is not visible")
@@ -300,7 +345,9 @@ class FlashAttentionBackend:
                     return [], f"`{ctx.code(arg)}` calls a function: it would run at the cast too"
                 problem = differs_at(ctx, arg, cand.call, f"`{ctx.code(c.call.func)}`")
                 if problem:
-                    return [], problem
+                    return [], (f"{problem}: `{ctx.code(c.call.func)}` reads the pages `{ctx.code(arg)}` lists, "
+                                f"which the cast cannot read; a rewrite needs the cast moved after the value is "
+                                f"bound, next to the kernel")
             pair = (ctx.code(got.table), ctx.code(got.seqlens))
             if got.block_size is not None:  # a ragged list: (kv_indptr, kv_page_indices) -> one table
                 pair = (RAGGED, ctx.code(got.seqlens), ctx.code(got.table))
@@ -324,6 +371,12 @@ def _positional_pages(cand: CastCandidate, ctx: UnitContext) -> Optional[Decisio
     among the known paged kernels (kvpatch.pagedcall.PAGED_KERNELS), keeps its cast."""
     guard = f" {cand.guard_note}." if cand.guard_note else ""
     for c in cand.consumers:
+        if c.kind == "call" and c.call is not None and kernel_name(c.call) in SLOT_RAGGED_KERNELS:
+            return Decision(HOT, f"full-pool cast consumed by {consumer_names([c], ctx)}, whose call does not bind "
+                                 f"to the parameters every aiter version shares (a `*`/`**` argument, more than "
+                                 f"eight positional arguments, or a keyword that changes its layout such as "
+                                 f"`block_table=` or `kv_last_page_lens=`): a rewrite needs its k and v caches, "
+                                 f"kv_indptr and kv_page_indices, and its caches' layout.{guard}")
         if c.kind == "call" and c.call is not None and kernel_name(c.call) in RAGGED_KERNELS:
             return Decision(HOT, f"full-pool cast consumed by {consumer_names([c], ctx)}, whose call does not bind "
                                  f"to its known signature (a `*`/`**` argument, a keyword it does not take, or a "
