@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import libcst as cst
 
 from kvpatch.dataflow import loads_in
-from kvpatch.stable import stored_in
+from kvpatch.stable import nested_scopes, stored_in
 from kvpatch.tensorops import PAGED_KEYWORDS
 
 CACHE_KEYWORDS = ("k_cache", "v_cache")  # flash_attn_with_kvcache's paged caches
@@ -184,9 +184,7 @@ def closure_tables(ctx, names, cand) -> Tuple[List[Tuple[str, str]], str]:
     (no assignment to its names after it); lengths that are the closure's own (context
     parallel splits them) become None: every entry of the table is cast, a superset."""
     pairs: List[Tuple[str, str]] = []
-    for node in walk(ctx.func.body):
-        if not isinstance(node, (cst.FunctionDef, cst.Lambda)):
-            continue
+    for node in nested_scopes(ctx):
         scope = node.name.value if isinstance(node, cst.FunctionDef) else "<lambda>"
         local = _bound_in(node)
         for inner in walk(node):
