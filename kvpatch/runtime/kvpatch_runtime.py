@@ -17,7 +17,7 @@ import re
 
 import torch
 
-__kvpatch_runtime_version__ = "2"
+__kvpatch_runtime_version__ = "3"  # 3: k and v of one shape get their own shadows
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
@@ -52,7 +52,8 @@ TUNING = {
 
 _requested = None  # KVPATCH_MODE as parsed
 _mode = None  # resolved mode
-_shadows = {}  # (device, shape, dtype) -> persistent shadow buffer
+_shadows = {}  # (device, shape, dtype, slot) -> persistent shadow buffer
+_shadow_users = {}  # (device, shape, dtype) -> the sources that last took each slot
 _warned = set()
 _probe_cache = {}
 _kernel = None  # jitted Triton kernels, built on first CUDA use
@@ -270,7 +271,20 @@ def run_kwargs(wrapper):
 
 
 def _shadow(kv_buffer, dtype):
-    key = (kv_buffer.device, tuple(kv_buffer.shape), dtype)
+    """The persistent shadow for kv_buffer. Two sources of one shape (an MHA layer's k and
+    v, both cast before the one kernel that reads them) must not share one: the last two
+    sources cast each hold their own, and a new source takes the one used least recently
+    (a layer's kernel has run by the time the next layer casts)."""
+    base = (kv_buffer.device, tuple(kv_buffer.shape), dtype)
+    users = _shadow_users.setdefault(base, [])  # [(source address, slot)], most recent last
+    ptr = kv_buffer.data_ptr()
+    mine = next((u for u in users if u[0] == ptr), None)
+    if mine is None:
+        mine = (ptr, len(users)) if len(users) < 2 else (ptr, users.pop(0)[1])
+    else:
+        users.remove(mine)
+    users.append(mine)
+    key = base + (mine[1],)
     buf = _shadows.get(key)
     if buf is None:
         # Contents never matter: only rows the kernel reads are read, and those are cast
@@ -904,6 +918,7 @@ def reset():
     global _requested, _mode
     _requested = _mode = None
     _shadows.clear()
+    _shadow_users.clear()
     _warned.clear()
     _probe_cache.clear()
     _triton_failed.clear()

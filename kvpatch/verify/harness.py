@@ -40,7 +40,8 @@ from .fakes import DRAFT_EXTEND, TARGET_VERIFY
 from .side import DECODE_SITE, PREFILL_SITE, Side
 from .spec import DFLASH, EAGLE
 from .fa3 import verify_fa3_target
-from .targets import FA3, Target, find_targets
+from .aiter import verify_aiter_target
+from .targets import AITER, FA3, Target, find_targets
 from .verifier import FileVerifier
 from .world import CPU_SHAPES, GPU_SHAPES, QUICK_SHAPES, HarnessError, Shapes, World
 
@@ -130,9 +131,10 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
                     log(f"building a {shapes.pool_slots}-slot FP8 pool on {dev}")
                     world = World(shapes, dev)
                 try:
-                    if t.family == FA3:
-                        verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, _find_runtime,
-                                          partial(_redirect, world.device))
+                    if t.family in (FA3, AITER):
+                        drive = verify_fa3_target if t.family == FA3 else verify_aiter_target
+                        drive(t, sandbox, world, modes, graph, quick, report, log, _find_runtime,
+                              partial(_redirect, world.device))
                         continue
                     _verify_target(t, sandbox, world, shapes, modes, kernel, fi, graph, report, log)
                 except Exception as exc:  # a harness bug must not hide the other targets

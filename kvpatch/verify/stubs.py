@@ -24,6 +24,7 @@ import torch
 from kvpatch.names import RUNTIME_MODULE
 
 from . import fakes
+from .aiter_reference import REAL as AITER_REAL
 from .fa3_reference import REAL as FA3_REAL
 
 
@@ -142,13 +143,16 @@ REAL: Dict[str, object] = {
     "next_power_of_2": _next_power_of_2,
     # The page-table kernels (sgl-kernel FA3, SGLang's paged_view), see fa3_reference.
     **FA3_REAL,
+    # aiter's MHA prefill kernel (no ROCm GPU here), and the FP8 dtype SGLang names it by.
+    **AITER_REAL,
+    "fp8_dtype": torch.float8_e4m3fn,
 }
 # Top-level packages always served as stubs: sgl-kernel does not load on the machines
 # verify runs on, and the page-table family calls it (merge_state_v2, FA3); MUSA's FA3
 # comes from flash_attn_interface (MATE), whose flash_attn_with_kvcache is served by the
 # same reference, so both sides of a MUSA file run one kernel. msgspec: SGLang 0.5.23's XPU
 # backend subclasses msgspec.Struct for its DCP metadata (a dependency verify does not need).
-STUB_PACKAGES = ("sglang", "sgl_kernel", "flash_attn_interface", "msgspec")
+STUB_PACKAGES = ("sglang", "sgl_kernel", "flash_attn_interface", "msgspec", "aiter")
 
 # Environment the module expects at import (old versions index os.environ).
 ENV_DEFAULTS = {"SGLANG_ENABLE_TORCH_COMPILE": "0"}
@@ -300,7 +304,7 @@ class Sandbox(importlib.abc.MetaPathFinder):
         # modules probe numpy too (FA3's `@torch.compile` and `@torch._dynamo.disable()`
         # at import): load them first, while the probe still finds no numpy.
         missing = {n for n in ("triton", "numpy") if importlib.util.find_spec(n) is None}
-        if "numpy" in missing and ("torch.compile" in source or "torch._dynamo" in source):
+        if missing and ("torch.compile" in source or "torch._dynamo" in source):  # (and triton: aiter's)
             torch.compile(len)
             torch._dynamo.disable()(len)
         self._exec_only = missing

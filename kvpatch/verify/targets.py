@@ -29,6 +29,8 @@ FA3_CLASS = "FlashAttentionBackend"
 FA3_KERNEL = "flash_attn_with_kvcache"
 FORWARDS = ("forward_decode", "forward_extend")
 FLASHINFER_MLA, FA3 = "flashinfer_mla", "fa3"
+# aiter's MHA extend through mha_batch_prefill_func (KVP103's slot-ragged kernels), verify/aiter.py.
+AITER, AITER_KERNEL = "aiter", "mha_batch_prefill_func"
 
 
 @dataclass
@@ -94,7 +96,10 @@ def backend_family(source: str) -> Tuple[str, str]:
     # Any other backend whose forwards call FA3's kernel by name (XPU's extend): the
     # reference kernel stands in for it as for FA3 itself.
     own = [n.name for n in classes if _forwards_call(n, FA3_KERNEL)]
-    return (FA3, own[0]) if own else ("", "")
+    if own:
+        return FA3, own[0]
+    aiter = [n.name for n in classes if _forwards_call(n, AITER_KERNEL)]
+    return (AITER, aiter[0]) if aiter else ("", "")
 
 
 def _forwards_call(cls: ast.ClassDef, func: str) -> bool:
@@ -228,7 +233,7 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
             continue
         if not t.family:
             t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters, and no class whose "
-                      f"forwards call {FA3_KERNEL}; verify drives those two families only")
+                      f"forwards call {FA3_KERNEL} or {AITER_KERNEL}; verify drives those families only")
         elif patched == t.original:
             t.problem = f"{rel} is identical to its original ({t.original_from}): not patched"
         elif RUNTIME_NAME in t.original:
