@@ -41,7 +41,8 @@ from .side import DECODE_SITE, PREFILL_SITE, Side
 from .spec import DFLASH, EAGLE
 from .fa3 import verify_fa3_target
 from .aiter import verify_aiter_target
-from .targets import AITER, FA3, Target, find_targets
+from .deadstore import verify_deletions
+from .targets import AITER, DEADSTORE, FA3, Target, find_targets
 from .verifier import FileVerifier
 from .world import CPU_SHAPES, GPU_SHAPES, QUICK_SHAPES, HarnessError, Shapes, World
 
@@ -126,6 +127,10 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
                     continue
                 if t.problem:
                     report.errors.append(t.problem)
+                    continue
+                verify_deletions(t, report)  # dead casts deleted (KVP104), symbolically
+                if t.family == DEADSTORE:
+                    report.files.append(t.rel)
                     continue
                 if world is None:
                     log(f"building a {shapes.pool_slots}-slot FP8 pool on {dev}")

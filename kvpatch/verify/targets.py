@@ -31,6 +31,8 @@ FORWARDS = ("forward_decode", "forward_extend")
 FLASHINFER_MLA, FA3 = "flashinfer_mla", "fa3"
 # aiter's MHA extend through mha_batch_prefill_func (KVP103's slot-ragged kernels), verify/aiter.py.
 AITER, AITER_KERNEL = "aiter", "mha_batch_prefill_func"
+# A file whose patch only deletes dead casts (KVP104: no runtime import), verify/deadstore.py.
+DEADSTORE = "deadstore"
 
 
 @dataclass
@@ -231,7 +233,9 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
         except SyntaxError as exc:
             t.problem = f"patched file {rel} does not parse: line {exc.lineno}: {exc.msg}"
             continue
-        if not t.family:
+        if not t.family and RUNTIME_NAME not in patched and patched != t.original:
+            t.family = DEADSTORE  # deletions only: checked symbolically, no runtime to find
+        elif not t.family:
             t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters, and no class whose "
                       f"forwards call {FA3_KERNEL} or {AITER_KERNEL}; verify drives those families only")
         elif patched == t.original:
@@ -239,6 +243,6 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
         elif RUNTIME_NAME in t.original:
             t.problem = (f"the original of {rel} ({t.original_from}) already imports "
                          f"{RUNTIME_NAME}: not an unpatched original")
-        elif not t.runtime.is_file() or is_link(t.runtime):
+        elif t.family != DEADSTORE and (not t.runtime.is_file() or is_link(t.runtime)):
             t.problem = f"runtime {t.runtime.relative_to(root).as_posix()} is missing"
     return targets, notes
