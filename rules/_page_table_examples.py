@@ -158,8 +158,21 @@ class AiterAttnBackend:
 """
 
 
-def _slot_ragged(cache: str) -> str:
+# SGLang 2026-01 (71f5ae3f9): the page list is a name bound after the cast, the SWA table under a condition.
+AITER_PREFILL_SWA = (AITER_PREFILL
+                     .replace("""            window_size = (layer.sliding_window_size, -1)\n""",
+                              """            window_size = (layer.sliding_window_size, -1)\n"""
+                              """            if self.forward_metadata.swa_page_table is not None:\n"""
+                              """                page_table = self.forward_metadata.swa_page_table\n""")
+                     .replace("        window_size = (-1, -1)\n",
+                              "        window_size = (-1, -1)\n        page_table = self.forward_metadata.kv_indices\n")
+                     .replace("            self.forward_metadata.kv_indices,\n", "            page_table,\n"))
+AITER_SWA_TABLES = ("self.forward_metadata.kv_indices", "self.forward_metadata.swa_page_table")
+
+
+def _slot_ragged(cache: str, tables=("self.forward_metadata.kv_indices",)) -> str:
     """AITER_PREFILL's cast of `cache`, rewritten (page size 1: its caches are [slots, heads, dim])."""
+    lists = "".join(f"                lambda: _kvpatch_rt.ragged_pages(self.forward_metadata.kv_indptr[:bs0], "
+                    f"{t}, 1),\n" for t in tables)
     return (f"_kvpatch_rt.kv_pages_for_kernel(\n                {cache},\n                dtype,\n                1,\n"
-            f"                lambda: _kvpatch_rt.ragged_pages(self.forward_metadata.kv_indptr[:bs0], "
-            f"self.forward_metadata.kv_indices, 1),\n            )")
+            f"{lists}            )")

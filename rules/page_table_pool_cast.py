@@ -33,7 +33,7 @@ from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid, emitted_call, refuse_unless_plain_cast
 from kvpatch.sites import HOT, UNSUPPORTED
 
-from ._page_table_examples import (AITER_DECODE, AITER_PREFILL, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT, UNIFIED, XPU_CAST,
+from ._page_table_examples import (AITER_DECODE, AITER_PREFILL, AITER_PREFILL_SWA, AITER_SWA_TABLES, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT, UNIFIED, XPU_CAST,
                                    XPU_CAST_WRAPPED, XPU_DECODE, XPU_PREFILL, _patched, _ragged,
                                    _slot_ragged)
 
@@ -174,9 +174,9 @@ class FlashAttentionBackend:
         ),
         Invalid(
             XPU_DECODE.replace("metadata.cache_seqlens_int32, metadata.page_table,", "lens, metadata.page_table,")
-                      .replace("        return", "        lens = metadata.cache_seqlens_int32 + 1\n        return"),
+                      .replace("        return", "        lens = self.lengths_of(metadata)\n        return"),
             status="unsupported",
-            why="the lengths are computed after the cast: the runtime would read them before they exist",
+            why="the lengths are computed by a call after the cast: running it at the cast too could do more",
         ),
         Invalid(
             XPU_DECODE.replace("flash_mla_decode(", "other_mla_decode("),
@@ -225,12 +225,18 @@ class FlashAttentionBackend:
                 "of its [slots, heads, dim] caches (page size 1); each half of the (k, v) pool cast under a guard",
         ),
         Invalid(
-            AITER_PREFILL.replace("        window_size = (-1, -1)\n",
-                                  "        window_size = (-1, -1)\n        page_table = self.forward_metadata.kv_indices\n")
-                         .replace("            self.forward_metadata.kv_indices,\n", "            page_table,\n"),
+            AITER_PREFILL_SWA,
+            expected=RT + AITER_PREFILL_SWA.replace("k_cache.to(dtype)", _slot_ragged("k_cache", AITER_SWA_TABLES))
+                                           .replace("v_cache.to(dtype)", _slot_ragged("v_cache", AITER_SWA_TABLES)),
+            status="hot",
+            why="SGLang 2026-01: the page list is a name bound after the cast, to the SWA table under a condition; "
+                "each definition's value means the same at the cast, so the pages of both are cast (a superset)",
+        ),
+        Invalid(
+            AITER_PREFILL_SWA.replace("page_table = self.forward_metadata.swa_page_table",
+                                      "page_table = self.swa_table_of(layer)"),
             status="unsupported",
-            why="the page list is bound after the cast (SGLang 2026-01's SWA table): the runtime would read it "
-                "before it exists",
+            why="one definition of the page list calls a function: it cannot run at the cast",
         ),
         Invalid(
             AITER_PREFILL.replace("            k_cache,\n            v_cache,\n",
@@ -340,19 +346,24 @@ class FlashAttentionBackend:
         pairs: List[Tuple[str, str]] = []
         for c in paged:
             got: PagedArgs = bind_paged(c.call)
+            values = []
             for arg in (got.table, got.seqlens):
                 if any(isinstance(n, cst.Call) for n in walk(arg)):
                     return [], f"`{ctx.code(arg)}` calls a function: it would run at the cast too"
                 problem = differs_at(ctx, arg, cand.call, f"`{ctx.code(c.call.func)}`")
-                if problem:
+                alts = _bound_values(arg, cand, ctx) if problem else [ctx.code(arg)]
+                if not alts:
                     return [], (f"{problem}: `{ctx.code(c.call.func)}` reads the pages `{ctx.code(arg)}` lists, "
                                 f"which the cast cannot read; a rewrite needs the cast moved after the value is "
                                 f"bound, next to the kernel")
-            pair = (ctx.code(got.table), ctx.code(got.seqlens))
-            if got.block_size is not None:  # a ragged list: (kv_indptr, kv_page_indices) -> one table
-                pair = (RAGGED, ctx.code(got.seqlens), ctx.code(got.table))
-            if pair not in pairs:
-                pairs.append(pair)
+                values.append(alts)
+            for table in values[0]:
+                for seqlens in values[1]:
+                    pair = (table, seqlens)
+                    if got.block_size is not None:  # a ragged list: (kv_indptr, kv_page_indices) -> one table
+                        pair = (RAGGED, seqlens, table)
+                    if pair not in pairs:
+                        pairs.append(pair)
         return pairs, ""
 
     @staticmethod
@@ -364,6 +375,25 @@ class FlashAttentionBackend:
 
         return cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{PageTablePoolCast.EMITS[0]}",
                             after=lambda lay: [ps] + [table(p, lay) for p in pairs], explode=True)
+
+
+def _bound_values(arg: cst.BaseExpression, cand: CastCandidate, ctx: UnitContext) -> List[str]:
+    """A name the kernel reads that is bound after the cast (`page_table = meta.kv_indices`, then
+    `page_table = meta.swa_page_table` under a condition): the value of each of its definitions
+    that reach the kernel, when every one is an assignment whose value, with no call in it,
+    means the same at the cast. The runtime then casts the pages of each (a superset: the
+    kernel reads one of them). [] when any is not."""
+    if not isinstance(arg, cst.Name):
+        return []
+    out: List[str] = []
+    for d in ctx.flow.defs_of(arg):
+        if d.kind != "assign" or d.value is None or any(isinstance(n, cst.Call) for n in walk(d.value)):
+            return []
+        if differs_at(ctx, d.value, cand.call, f"`{arg.value} = {ctx.code(d.value)}`"):
+            return []
+        if ctx.code(d.value) not in out:
+            out.append(ctx.code(d.value))
+    return out
 
 
 def _positional_pages(cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:

@@ -51,9 +51,24 @@ def _shadow(kv_buffer, dtype):
 ''')
 
 
-def checkout(tmp_path: Path, runtime_text: str = None) -> Path:
+def _swa(text: str) -> str:
+    """The fixture as SGLang 2026-01 has it: the page list a name bound after the cast."""
+    out = (text.replace("            window_size = (layer.sliding_window_size, -1)\n",
+                        "            window_size = (layer.sliding_window_size, -1)\n"
+                        "            if self.forward_metadata.swa_page_table is not None:\n"
+                        "                page_table = self.forward_metadata.swa_page_table\n")
+               .replace("        window_size = (-1, -1)\n",
+                        "        window_size = (-1, -1)\n        page_table = self.forward_metadata.kv_indices\n")
+               .replace("            self.forward_metadata.kv_indices,\n", "            page_table,\n"))
+    assert out.count("page_table") == 5
+    return out
+
+
+def checkout(tmp_path: Path, runtime_text: str = None, swa: bool = False) -> Path:
     root = tmp_path / "aiter"
     shutil.copytree(FIXTURE, root)
+    if swa:
+        (root / REL).write_text(_swa((root / REL).read_text()))
     r = CliRunner().invoke(main, ["apply", str(root)])
     assert r.exit_code in (0, 1), r.output
     assert (root / REL).read_text().count("kv_pages_for_kernel(") == 2, r.output
@@ -71,10 +86,23 @@ def test_fixture_patch_passes_on_the_reference(tmp_path):
     cases = [c for c in r.cases if c.qualname == SITE]
     assert r.ok, r.format()
     assert cases and all(c.passed for c in cases), r.format()
-    assert {c.route for c in cases} == {"prefill", "prefill:window=16", "prefill:sinks"}
+    assert {c.route for c in cases} == {"prefill", "prefill:window=16", "prefill:sinks", "prefill:swa-table"}
     assert all(c.kernel == "reference-aiter-mha-batch-prefill" and c.tolerance.startswith("bit-identical")
                for c in cases)
     assert any("no ROCm GPU is lent" in n for n in r.notes), r.notes
+
+
+def test_swa_page_list_bound_after_the_cast_passes_and_leaving_it_out_fails(tmp_path):
+    root = checkout(tmp_path, swa=True)
+    r = run_verify(root, device="cpu", quick=True)
+    assert r.ok, r.format()
+    f = root / REL
+    text = f.read_text()
+    swa = [ln for ln in text.splitlines(True) if "ragged_pages(" in ln and "swa_page_table" in ln]
+    assert len(swa) == 2  # one per cast: the SWA list is cast too (a superset)
+    f.write_text("".join(ln for ln in text.splitlines(True) if ln not in swa))
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok and {c.route for c in r.failures} == {"prefill:swa-table"}, r.format()
 
 
 def test_unpatched_cast_is_caught(tmp_path):

@@ -8,7 +8,8 @@ CUDA GPU. The metadata the backend reads is built as SGLang's ``init_forward_met
 leaves it: ``qo_indptr``, and a ragged ``kv_indptr``/``kv_indices`` list of scattered
 slots with prefixes shared between requests, and stale entries past the batch in both
 buffers (the backend slices ``kv_indptr[:bs + 1]``). Cases: prefill with and without
-prefixes, one request and several, a sliding window, attention sinks. Outputs must be
+prefixes, one request and several, a sliding window, attention sinks, and a separate SWA page
+list (``forward_metadata.swa_page_table``) that a backend of 2026-01 reads under a window. Outputs must be
 bit-identical; the patched run must make no full-pool copy; the runtime's shadow rows
 are poisoned (NaN) before each patched run, so a listed row left uncast shows.
 """
@@ -31,7 +32,8 @@ from .world import FP8, Q_DTYPE, HarnessError
 SLOTS, HEADS, KV_HEADS, DIM = 4096, 8, 2, 64
 # (prefix lens, extend lens) per case; a window (None: full) and sinks per case.
 CASES = (([0], [37]), ([100, 0, 7], [20, 13, 1]), ([250, 5], [3, 40]))
-VARIANTS = (("", None, False), ("window=16", 16, False), ("sinks", None, True))
+VARIANTS = (("", None, False, False), ("window=16", 16, False, False), ("sinks", None, True, False),
+            ("swa-table", 16, False, True))  # SGLang 2026-01 reads a separate SWA page list under a window
 STALE_BATCH = 3  # requests' worth of stale indptr entries past the batch
 
 
@@ -61,7 +63,7 @@ class MHAPool:
 
 
 class Case:
-    def __init__(self, gen, dev, prefix, extend, window=None, sinks=False):
+    def __init__(self, gen, dev, prefix, extend, window=None, sinks=False, swa=False):
         self.lens = [p + e for p, e in zip(prefix, extend)]
         self.qlens, self.window = list(extend), window
         perm = (torch.randperm(SLOTS - 1, generator=gen, device=dev) + 1).tolist()
@@ -80,13 +82,16 @@ class Case:
         nq = sum(self.qlens)
         self.q = torch.randn((nq, HEADS, DIM), generator=gen, device=dev).to(Q_DTYPE)
         self.sinks = torch.randn((HEADS,), generator=gen, device=dev) if sinks else None
+        # The SWA list: the same lengths on other slots (a backend that reads it reads only it).
+        self.swa = (torch.randperm(SLOTS - 1, generator=gen, device=dev)[: self.kv_indices.numel()] + 1).to(
+            torch.int32) if swa else None
 
     def label(self):
         return f"kv_lens={self.lens} q_lens={self.qlens}"
 
     def meta(self):
         return Meta(kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, qo_indptr=self.qo_indptr,
-                    max_q_len=max(self.qlens), max_kv_len=max(self.lens))
+                    max_q_len=max(self.qlens), max_kv_len=max(self.lens), swa_page_table=self.swa)
 
 
 class AiterSide(FA3Side):
@@ -134,8 +139,8 @@ class AiterVerifier(FA3Verifier):
     def run(self, graph: bool, quick: bool = False):
         self.guard_selfcheck()
         for prefix, extend in CASES[:2] if quick else CASES:
-            for variant, window, sinks in VARIANTS:
-                self.eager(EXTEND, Case(self.gen, self.dev, prefix, extend, window, sinks), variant)
+            for variant, window, sinks, swa in VARIANTS:
+                self.eager(EXTEND, Case(self.gen, self.dev, prefix, extend, window, sinks, swa), variant)
 
 
 def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, find_runtime, redirect):
