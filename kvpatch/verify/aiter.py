@@ -171,6 +171,9 @@ def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, fin
         report.errors.append(str(exc))
         return
     report.files.append(t.rel)
+    for name in _other_rewritten(patched_src, t.cls):
+        report.unverified.append(f"{t.rel}: {t.cls}.{name} is rewritten too, but verify drives only "
+                                 f"forward_extend's mha_batch_prefill_func for aiter: not verified")
     report.notes.append(f"{t.rel}: aiter's mha_batch_prefill_func runs as the torch reference ({KERNEL_NAME}) on "
                         f"{world.device}: no ROCm GPU is lent, the real kernel did not run")
     os.environ["KVPATCH_MODE"] = "gather"
@@ -178,3 +181,17 @@ def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, fin
     log(f"{t.rel}: aiter MHA extend ({t.cls}), original from {t.original_from}, kernel {KERNEL_NAME}")
     AiterVerifier(t.rel, orig, pat, rt, mha, report, gen).run(graph, quick)
     rt.reset()
+
+
+def _other_rewritten(source: str, cls_name: str):
+    """Methods of the class other than forward_extend that call kvpatch's runtime."""
+    import ast
+
+    from kvpatch.names import RUNTIME_ALIAS
+
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls_name:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name != "forward_extend" and any(
+                        isinstance(n, ast.Name) and n.id == RUNTIME_ALIAS for n in ast.walk(fn)):
+                    yield fn.name
