@@ -276,7 +276,8 @@ def _shadow(kv_buffer, dtype):
     sources cast each hold their own, and a new source takes the one used least recently
     (a layer's kernel has run by the time the next layer casts)."""
     base = (kv_buffer.device, tuple(kv_buffer.shape), dtype)
-    users = _shadow_users.setdefault(base, [])  # [(source address, slot)], most recent last
+    # [(source address, slot)], most recent last
+    users = _shadow_users.setdefault(base, [])
     ptr = kv_buffer.data_ptr()
     mine = next((u for u in users if u[0] == ptr), None)
     if mine is None:
