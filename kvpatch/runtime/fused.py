@@ -38,9 +38,9 @@ _FUSED_LOG2E = 1.4426950408889634
 # draft tokens); block_n: KV positions per step; ctas_per_sm: the grid the split count
 # aims at; min_split: fewest positions a split takes before more splits pay.
 FUSED_TUNING = {
-    "small": {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2, "min_split": 256},
-    "large": {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "ctas_per_sm": 1, "min_split": 256},
-}
+    "small": {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2, "min_split": 128},
+    "large": {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3, "ctas_per_sm": 2, "min_split": 128},
+}  # best of the H200 sweep, GPU run 12 (notes/gpu-runs.md)
 
 _fused_kernels = None  # (split kernel, combine kernel), built on first use; False: no Triton
 _fused_scratch = {}  # (device, rows, splits) -> (partial out fp32, partial lse fp32)
