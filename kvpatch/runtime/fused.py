@@ -1,37 +1,26 @@
-"""Fused FP8 MLA attention: reads the FP8 latent pool in place, no bf16 copy.
+"""Fused FP8 MLA attention: reads the FP8 latent pool in place, no bf16 copy (issue 17).
 
-A patched site that casts the pool and then runs an MLA decode kernel (or a
-target-verify / draft-extend kernel with a few query tokens per request) moves
-576 B (FP8 read) + 1,152 B (bf16 write) + 1,152 B (the kernel's bf16 read) per
-row. This kernel reads the 576 FP8 bytes of each row the original kernel would
-read, dequantises them in registers and runs the attention on them: 576 B a row.
+The gathered cast moves 576 B (FP8 read) + 1,152 B (bf16 write) + 1,152 B (the kernel's
+bf16 read) a row; this kernel reads each row's 576 FP8 bytes and dequantises them in
+registers. Rows come through the index structures the original kernel is given:
+FlashInfer's kv_indptr / kv_indices (page_size slots an index), or a page_table with
+cache_seqlens (FA3/FA4, MUSA, XPU). Lengths are read on the device: a CUDA graph replays
+correctly with more or fewer rows than at capture. Split-KV: stage 1 runs a program per
+(request, split, query-row group) over a contiguous share of the request's positions, the
+share derived from the device length (a short request leaves programs idle); stage 2
+merges the splits by log-sum-exp. Boundaries depend only on the lengths: bit-identical runs.
 
-Rows are found through the index structures the original kernel is given:
-  - ("indptr") FlashInfer's kv_indptr / kv_indices, page_size slots per index
-    (SGLang plans page size 1), request b reading kv_indices[indptr[b]:indptr[b+1]];
-  - ("table") a page_table [B, max_pages] with cache_seqlens [B] (FA3/FA4, MUSA,
-    XPU), request b reading page_table[b, j // page_size] for positions j < seqlen.
-Lengths are read on the device, so a CUDA graph captured at one batch composition
-replays correctly with more or fewer rows. Split-KV (flash-decoding): stage 1 runs
-one program per (request, split, query-row group) over a contiguous share of the
-request's positions; stage 2 merges the splits by their log-sum-exp. The split
-count is fixed on the host (graph-safe); each program derives its share from the
-device length, so short requests leave programs idle rather than making tiny splits.
-Split boundaries depend only on the lengths: two runs are bit-identical.
+Numerics: FP8 -> bf16 is exact; bf16 dots with fp32 accumulation, fp32 softmax (base 2),
+P rounded to bf16 for the PV dot (as FlashInfer and FA3 do), fp32 partials. Masked or
+out-of-pool rows are never loaded, so poison outside the rows read cannot leak.
 
-Numerics: FP8 -> bf16 is exact; the two dots run on bf16 operands with fp32
-accumulation, the softmax in fp32 (base 2), P is rounded to bf16 for the PV dot (as
-FlashInfer and FA3 do), partials are fp32. Masked or out-of-pool rows are never
-loaded: a pool poisoned outside the rows read cannot leak NaN into the output.
-
-Self-contained: torch, and Triton imported on first use.
+Not yet part of the injected runtime (kvpatch.runtime.PARTS): no rewrite routes a kernel
+call here so far. Self-contained for when it joins: torch, and Triton on first use.
 """
 
 import os
 
 import torch
-
-_FUSED_LOG2E = 1.4426950408889634
 
 # Launch constants per (query rows per request x heads) bucket; the H200 sweep of
 # benchmarks/bench_fused.py picks them. block_m: query rows a program holds (heads x
@@ -44,11 +33,6 @@ FUSED_TUNING = {
 
 _fused_kernels = None  # (split kernel, combine kernel), built on first use; False: no Triton
 _fused_scratch = {}  # (device, rows, splits) -> (partial out fp32, partial lse fp32)
-
-
-def fused_choice(heads, q_per_request):
-    """The path KVPATCH_MODE=auto takes for an MLA call shape: "fused" or "gather"."""
-    return "fused"
 
 
 def _fused_bucket(m_rows):
@@ -309,10 +293,6 @@ def fused_mla(
     latent and rope parts; the latent scale also scales the output, V being the latent).
     Returns out. Graph-safe: no allocation after the first call per shape, no host sync.
     """
-    kernels = _fused_build()
-    if not kernels:
-        raise RuntimeError("fused_mla needs Triton")
-    split_k, combine_k = kernels
     n_tok, heads, d = q_nope.shape
     dpe = q_pe.shape[-1]
     tq = int(q_per_request)
@@ -334,6 +314,10 @@ def fused_mla(
         table, lens, table_stride = page_table, cache_seqlens, page_table.stride(0)
         if page_table.stride(1) != 1:
             raise ValueError("fused_mla: page_table rows must be contiguous")
+    kernels = _fused_build()
+    if not kernels:
+        raise RuntimeError("fused_mla needs Triton")
+    split_k, combine_k = kernels
     m_rows = tq * heads
     cfg = dict(FUSED_TUNING[_fused_bucket(m_rows)], **(config or {}))
     block_m = min(cfg["block_m"], max(16, 1 << (m_rows - 1).bit_length()))
@@ -342,21 +326,8 @@ def fused_mla(
         target = _fused_sm_count(kv2.device) * cfg["ctas_per_sm"]
         n_splits = max(1, min(64, -(-target // max(1, batch * groups))))
     part_o, part_lse = _fused_scratch_for(kv2.device, batch * m_rows, n_splits, d)
-    scales = []
-    for sc in (ckv_scale, kpe_scale):
-        if sc is None or isinstance(sc, torch.Tensor):
-            scales.append(sc)
-        else:
-            scales.append(float(sc))
-    ckv, kpe = scales
-    if isinstance(ckv, float) and ckv == 1.0:
-        ckv = None
-    if isinstance(kpe, float) and kpe == 1.0:
-        kpe = None
-    # A float scale folds into sm_scale only for the rope part; keep both general by
-    # passing every non-unit float as a one-element tensor made once per value.
-    ckv_t = _fused_scale_tensor(ckv, kv2.device)
-    kpe_t = _fused_scale_tensor(kpe, kv2.device)
+    ckv_t = _fused_scale_tensor(ckv_scale, kv2.device)
+    kpe_t = _fused_scale_tensor(kpe_scale, kv2.device)
     _fused_last["split"] = split_k[(batch, n_splits, groups)](
         q_nope,
         q_pe,
@@ -417,36 +388,13 @@ _fused_last = {}  # the compiled kernels of the last call (benchmarks read regis
 
 
 def _fused_scale_tensor(sc, device):
+    """None for no scale (None or 1.0), else a one-element device tensor (a float's made once)."""
     if sc is None or isinstance(sc, torch.Tensor):
         return sc
-    key = (device, sc)
-    t = _fused_scales.get(key)
+    sc = float(sc)
+    if sc == 1.0:
+        return None
+    t = _fused_scales.get((device, sc))
     if t is None:
-        t = torch.full((1,), sc, dtype=torch.float32, device=device)
-        _fused_scales[key] = t
+        t = _fused_scales[(device, sc)] = torch.full((1,), sc, dtype=torch.float32, device=device)
     return t
-
-
-def fused_reference(
-    q_nope, q_pe, kv_buffer, sm_scale, rows_of, q_per_request=1, causal=False, ckv_scale=1.0, kpe_scale=1.0
-):
-    """fp32 reference on the same rows: rows_of(b) -> the pool slots request b reads, in order."""
-    tq = int(q_per_request)
-    n_tok, heads, d = q_nope.shape
-    kv2 = kv_buffer.view(-1, kv_buffer.shape[-1]).float()
-    out = torch.empty((n_tok, heads, d), dtype=torch.float32, device=q_nope.device)
-    for b in range(n_tok // tq):
-        slots = rows_of(b).long()
-        k = kv2[slots]
-        kn, kp = k[:, :d] * ckv_scale, k[:, d:] * kpe_scale
-        qn = q_nope[b * tq : (b + 1) * tq].float()
-        qp = q_pe[b * tq : (b + 1) * tq].float()
-        s = (torch.einsum("thd,nd->thn", qn, kn) + torch.einsum("thd,nd->thn", qp, kp)) * sm_scale
-        if causal and tq > 1:
-            n = slots.numel()
-            pos = torch.arange(n, device=s.device)
-            lim = n - tq + torch.arange(tq, device=s.device)
-            s = s.masked_fill(pos[None, None, :] > lim[:, None, None], float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        out[b * tq : (b + 1) * tq] = torch.einsum("thn,nd->thd", p, kn)
-    return out

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton not importable: the fused kernel cannot run")
 
 from kvpatch.runtime import load_template  # noqa: E402
+from kvpatch.verify.fused_reference import fused_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -110,7 +111,7 @@ def test_indptr_rows_match_fp32_reference(heads, tq):
     perm, indptr = indptr_batch(lens, 40_000)
     qn, qp = queries(len(lens) * tq, heads)
     out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=tq, causal=tq > 1)
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), tq, tq > 1)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), tq, tq > 1)
     assert ok(out, ref), rel_err(out, ref)
 
 
@@ -123,7 +124,7 @@ def test_page_table_rows_match_fp32_reference(ps, tq):
     pt, sl = table_batch(lens, slots // ps, ps, width=3000 // ps + 3)
     qn, qp = queries(len(lens) * tq, 16)
     out = run(qn, qp, pool, page_table=pt, cache_seqlens=sl, page_size=ps, q_per_request=tq, causal=tq > 1)
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps), tq, tq > 1)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps), tq, tq > 1)
     assert ok(out, ref), rel_err(out, ref)
 
 
@@ -134,7 +135,7 @@ def test_ragged_page_list_with_pages_of_16():
     perm, indptr = indptr_batch(lens_pages, slots // ps)
     qn, qp = queries(len(lens_pages), 16)
     out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, page_size=ps)
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr, ps))
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr, ps))
     assert ok(out, ref), rel_err(out, ref)
 
 
@@ -145,7 +146,7 @@ def test_scales_as_float_and_device_tensor():
     qn, qp = queries(2, 16)
     kpe = torch.tensor([1.5], device=DEV)
     out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, ckv_scale=0.25, kpe_scale=kpe)
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), ckv_scale=0.25, kpe_scale=1.5)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), ckv_scale=0.25, kpe_scale=1.5)
     assert ok(out, ref), rel_err(out, ref)
 
 
@@ -161,7 +162,7 @@ def test_deterministic_and_poison_outside_the_rows_read_never_leaks():
     b = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm)
     assert torch.isfinite(a).all()
     assert torch.equal(a, b)
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
     assert ok(a, ref), rel_err(a, ref)
 
 
@@ -172,7 +173,7 @@ def test_out_of_pool_indices_are_skipped_not_read():
     qn, qp = queries(1, 16)
     out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm)
     keep = perm[(perm >= 0) & (perm < 1000)]
-    ref = RT.fused_reference(qn, qp, pool, 0.1, lambda b: keep)
+    ref = fused_reference(qn, qp, pool, 0.1, lambda b: keep)
     assert ok(out, ref), rel_err(out, ref)
 
 
@@ -215,9 +216,9 @@ def test_graph_replays_with_more_and_fewer_rows_than_at_capture(mode):
         out.fill_(float("nan"))
         g.replay()
         if mode == "indptr":
-            ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+            ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
         else:
-            ref = RT.fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps))
+            ref = fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps))
         live = torch.tensor([n > 0 for n in lens], device=DEV)
         assert ok(out[live], ref[live]), (lens, rel_err(out[live], ref[live]))
         del ref, live
@@ -255,7 +256,7 @@ def _case(tq=1):
 
 def test_sabotage_wrong_row_fails_the_check():
     pool, perm, indptr, qn, qp = _case()
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
     bad = perm.clone()
     bad[100] = bad[100] + 1  # one row of request 0 read from the neighbouring slot
     out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=bad)
@@ -265,7 +266,7 @@ def test_sabotage_wrong_row_fails_the_check():
 
 def test_sabotage_stale_length_fails_the_check():
     pool, perm, indptr, qn, qp = _case()
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
     # The lengths a graph captured at, replayed after the batch grew: requests 0 and 2
     # read 64 and 128 rows where they now hold 200 and 256.
     stale = torch.tensor([0, 64, 101, 229], dtype=torch.int32, device=DEV)
@@ -275,13 +276,13 @@ def test_sabotage_stale_length_fails_the_check():
 
 def test_sabotage_wrong_scale_fails_the_check():
     pool, perm, indptr, qn, qp = _case()
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), ckv_scale=0.5)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), ckv_scale=0.5)
     assert not ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm), ref)
     assert ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, ckv_scale=0.5), ref)
 
 
 def test_sabotage_missing_causal_mask_fails_the_check():
     pool, perm, indptr, qn, qp = _case(tq=4)
-    ref = RT.fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), 4, True)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), 4, True)
     assert not ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=False), ref)
     assert ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=True), ref)
