@@ -156,9 +156,9 @@ def sweep(rt, fz, ws, pools, bw, gen):
     shapes = {"small": [(16, 32, 4096, 1), (16, 4, 4096, 1), (16, 8, 32768, 1)],
               "large": [(128, 32, 4096, 1), (16, 32, 4096, 4), (16, 8, 4096, 8)]}
     grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st)
-                      for bn in (16, 32, 64) for nw in (4, 8) for st in (2, 3)],
-            "large": [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st)
-                      for bm in (32, 64) for bn in (32, 64) for nw in (4, 8) for st in (2, 3)]}
+                      for bn in (32, 64) for nw in (4, 8) for st in (1, 2)],
+            "large": [dict(block_m=64, block_n=bn, num_warps=8, num_stages=st)
+                      for bn in (32, 64) for st in (1, 3)]}
     best = {}
     for bucket, cfgs in grid.items():
         bs_list = [batch(pools[0].shape[0], bs, ctx, h, tq, gen) for h, bs, ctx, tq in shapes[bucket]]
