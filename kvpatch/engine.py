@@ -20,16 +20,17 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import libcst as cst
 
-from kvpatch import discover, suppress
-from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
-from kvpatch.classify import prove_noop, unreachable
-from kvpatch.locate import locate, mla_plan_shape
+from kvpatch.analysis import discover
+from kvpatch.analysis import suppress
+from kvpatch.analysis.candidates import CastCandidate, PlanCandidate, bind_plan_args
+from kvpatch.analysis.classify import prove_noop, unreachable
+from kvpatch.analysis.locate import locate, mla_plan_shape
 from kvpatch.names import MLA_PLAN_FUNCTIONS, PLAN_METHOD, POOL_GETTERS
-from kvpatch.match import FileContext, UnitContext, consumer_names, is_attr
+from kvpatch.analysis.match import FileContext, UnitContext, consumer_names, is_attr
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, FileRecords, PlanCall,  # noqa: F401
                            ScanResult, Site, backend_name, path_kind)  # ScanResult: re-exported
-from kvpatch.units import ParsedUnit, UnitParseError, decode, parse_unit, split_lines
+from kvpatch.analysis.units import ParsedUnit, UnitParseError, decode, parse_unit, split_lines
 
 
 

@@ -28,7 +28,7 @@ def test_how_it_works_names_every_module():
     named = set(PATHS.findall(_section("How it works")))
     modules = {f"kvpatch/{p.name}" for p in (REPO / "kvpatch").glob("*.py")
                if p.name not in ("__init__.py", "__main__.py")}
-    # packages are named as folders; cli_* modules by their short names next to kvpatch/cli.py
+    # packages are named as folders; cli_* modules by their short names next to kvpatch/cli/commands.py
     text = _section("How it works")
     unnamed = sorted(m for m in modules if m not in named and Path(m).name not in text)
     assert not unnamed, f"README.md's How it works leaves out: {unnamed}"

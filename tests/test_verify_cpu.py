@@ -394,7 +394,7 @@ def test_originals_from_git_after_a_real_apply(tmp_path):
     """A git apply keeps no copies: verify reads the original from the recorded base, hash-checked."""
     from click.testing import CliRunner
 
-    from kvpatch.cli import main
+    from kvpatch.cli.commands import main
 
     root = tmp_path / "checkout"
     shutil.copytree(EXAMPLE, root)
@@ -424,10 +424,10 @@ def test_a_patched_file_no_driver_covers_is_named_not_verified(tmp_path):
     the verdict is PARTLY VERIFIED, the file is named, and the CLI exits 3."""
     from click.testing import CliRunner
 
-    from kvpatch.cli import main
+    from kvpatch.cli.commands import main
     from kvpatch.engine import analyze_source
-    from kvpatch.exitcodes import EXIT_UNVERIFIED
-    from kvpatch.rewrite import plan_rewrite
+    from kvpatch.output.exitcodes import EXIT_UNVERIFIED
+    from kvpatch.rewrite.transform import plan_rewrite
     from kvpatch.rule import load_rules
     from rules._page_table_examples import AITER_DECODE
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
-from kvpatch.cli import main  # noqa: E402
+from kvpatch.cli.commands import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from kvpatch.verify.fa3_reference import flash_attn_with_kvcache, merge_state_v2  # noqa: E402
 from test_releases import RELEASES_ENV, _release_root  # noqa: E402

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from kvpatch import gittxn
+from kvpatch.checkout import gittxn
 from kvpatch.names import TXN_DIR
-from kvpatch.safepath import (UnsafePath, create_new, inside, is_link, read_regular, remove_stale,
+from kvpatch.checkout.safepath import (UnsafePath, create_new, inside, is_link, read_regular, remove_stale,
                               tmp_path, under, write_replace)
 from kvpatch.names import JOURNAL_FILE
-from kvpatch.state import STATE_DIR, sha256, write_json_atomic
+from kvpatch.checkout.state import STATE_DIR, sha256, write_json_atomic
 
 GIT_KEY = "git"  # the journal's record of HEAD before the write (gittxn.record)
 # Journal phases: while staging, no target has been touched yet.

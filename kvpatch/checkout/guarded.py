@@ -10,14 +10,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from kvpatch import checkout, gittxn, lock, write
+from kvpatch.checkout import repo
+from kvpatch.checkout import gittxn
+from kvpatch.checkout import lock
+from kvpatch.checkout import write
 from kvpatch.names import JOURNAL_FILE, STATE_DIR
 
 # .kvpatch/ holds the originals and state.json: never part of a commit (git has
 # the originals), so it ignores itself, the way .pytest_cache/ does.
 GIT_IGNORE = f"{STATE_DIR}/.gitignore"
 IGNORE_ALL = b"*\n"
-NO_VERIFY_HINT = f"{checkout.NO_VERIFY} skips the hooks"
+NO_VERIFY_HINT = f"{repo.NO_VERIFY} skips the hooks"
 
 
 class PatchError(Exception):
@@ -36,7 +39,7 @@ def _write_and_commit(root: Path, writes: List[write.FileWrite], op: str, finish
     the files back too, and its output is the error."""
     try:
         write.apply_writes(root, writes, op, before_finish=finish, git=git)
-    except checkout.GitError as exc:
+    except repo.GitError as exc:
         raise PatchError(f"git commit failed, every file was rolled back ({NO_VERIFY_HINT}):\n{exc}") from None
 
 
@@ -46,8 +49,8 @@ def _is_state(rel: str) -> bool:
 
 def _git_preflight(info) -> None:
     try:
-        checkout.preflight(info)
-    except checkout.GitError as exc:
+        repo.preflight(info)
+    except repo.GitError as exc:
         raise PatchError(f"git would refuse the commit, nothing was changed: {exc}") from None
 
 

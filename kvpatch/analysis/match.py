@@ -16,12 +16,12 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import libcst as cst
 
-from kvpatch.dataflow import Definition, FunctionFlow, analyze
-from kvpatch.locate import ClassFacts, ModuleFacts, Unit
+from kvpatch.analysis.dataflow import Definition, FunctionFlow, analyze
+from kvpatch.analysis.locate import ClassFacts, ModuleFacts, Unit
 from kvpatch.names import CAST_TO, CAST_TYPE, DTYPE_CAST_METHODS, POOL_GETTERS, TUPLE_GETTERS
-from kvpatch.tensorops import (GATHER_METHODS, TUPLE_VIEWS, VIEW_FUNCTIONS, VIEW_METHODS, device_like,
+from kvpatch.analysis.tensorops import (GATHER_METHODS, TUPLE_VIEWS, VIEW_FUNCTIONS, VIEW_METHODS, device_like,
                                gathers_rows, int_subscript, whole_rows)
-from kvpatch.units import ParsedUnit
+from kvpatch.analysis.units import ParsedUnit
 
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from typing import Dict, List, Tuple
 
-from kvpatch.units import split_lines
+from kvpatch.analysis.units import split_lines
 
 SRCROOT = "SRCROOT"
 

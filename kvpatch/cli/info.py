@@ -1,5 +1,5 @@
 """`kvpatch rules`, `kvpatch config` and `kvpatch verify`: the commands that read
-no checkout state to change it (registered on the group in kvpatch/cli.py)."""
+no checkout state to change it (registered on the group in kvpatch/cli/commands.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import click
 
-from kvpatch.cli_out import CONTEXT, Out, _root, _settings, rule_source
-from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED
+from kvpatch.cli.out import CONTEXT, Out, _root, _settings, rule_source
+from kvpatch.output.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED
 
 # -- rules -------------------------------------------------------------------
 @click.command(name="rules", context_settings=CONTEXT)
@@ -121,7 +121,7 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
 
     root = _root(path, out).resolve()
     t0 = time.perf_counter()
-    from kvpatch.safepath import UnsafePath
+    from kvpatch.checkout.safepath import UnsafePath
     from kvpatch.verify.targets import has_state, state_entries
 
     try:  # an unsafe state is refused first, with torch or without

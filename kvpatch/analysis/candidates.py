@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import libcst as cst
 
-from kvpatch.match import CastForm, Consumer, Origin
+from kvpatch.analysis.match import CastForm, Consumer, Origin
 
 # BatchMLAPagedAttentionWrapper.plan's parameters, in order.
 PLAN_PARAMS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads",

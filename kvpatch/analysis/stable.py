@@ -12,8 +12,8 @@ from typing import List
 
 import libcst as cst
 
-from kvpatch.dataflow import loads_in
-from kvpatch.match import UnitContext
+from kvpatch.analysis.dataflow import loads_in
+from kvpatch.analysis.match import UnitContext
 
 
 def differs_at(ctx: UnitContext, expr: cst.BaseExpression, at: cst.CSTNode, use: str) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from kvpatch.sites import PlanCall
-from kvpatch.safepath import UnsafePath, inside, is_link, read_regular, under, write_replace
+from kvpatch.checkout.safepath import UnsafePath, inside, is_link, read_regular, under, write_replace
 
 from kvpatch.names import ORIGINALS, STATE_DIR, STATE_FILE
 SCHEMA = "kvpatch.state/1"

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
-from kvpatch import checkout
+from kvpatch.checkout import repo
 from kvpatch.names import CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
-from kvpatch.safepath import UnsafePath, is_link, read_regular
+from kvpatch.checkout.safepath import UnsafePath, is_link, read_regular
 
 # A KV-buffer read, or a site kvpatch already rewrote (plain substrings: `bytes in`
 # is ~5x faster than a regex alternation) ...
@@ -60,7 +60,7 @@ def _python_paths(root: Path) -> Iterator[Path]:
     if root.is_file():
         yield root
         return
-    listed = checkout.listed_files(root)
+    listed = repo.listed_files(root)
     if listed is None:
         yield from _walk(root)
         return

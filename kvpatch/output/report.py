@@ -12,7 +12,7 @@ from kvpatch import RULESET_VERSION, __version__
 from kvpatch.sites import (FIXED_UPSTREAM, GATHERED, HOT, NEEDS_ACTION, NOOP, PATCHED, PLAN_IGNORED, PLAN_PATCHED,
                            PLAN_REWRITE, PLAN_STATUSES, SITE_STATUSES, SUPPRESSED, UNSUPPORTED, ScanResult, Site)
 
-from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
+from kvpatch.output.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 
 JSON_SCHEMA_ID = "kvpatch.audit/1"
 
@@ -143,7 +143,7 @@ def _rule_ref(rid, rule_ids: List[str]) -> Dict:
 
 
 def to_sarif(scan: ScanResult, rules, fixes=None) -> str:
-    """`fixes`: (file, line) -> SARIF fix (kvpatch.sarif_fixes), for rewritable records."""
+    """`fixes`: (file, line) -> SARIF fix (kvpatch.output.sarif_fixes), for rewritable records."""
     rule_ids = [r.ID for r in rules]
     fallback = next((r.ID for r in rules if r.FALLBACK), rule_ids[0] if rule_ids else "")
     plan_fallback = next((r.ID for r in rules if r.KIND == "plan"), fallback)

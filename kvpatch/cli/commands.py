@@ -16,10 +16,10 @@ from pathlib import Path
 import click
 
 from kvpatch import __version__
-from kvpatch.cli_out import CONTEXT, Out, _check_rules, _root, _rules_opt
-from kvpatch.cli_out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
-from kvpatch.cli_out import _Main, _exit_help, apply_counts
-from kvpatch.exitcodes import EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT
+from kvpatch.cli.out import CONTEXT, Out, _check_rules, _root, _rules_opt
+from kvpatch.cli.out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
+from kvpatch.cli.out import _Main, _exit_help, apply_counts
+from kvpatch.output.exitcodes import EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT
 
 
 JOBS_HELP = "Worker processes (default: [tool.kvpatch] jobs in pyproject.toml, else up to 2)."
@@ -102,12 +102,12 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
 
         # The config found from PATH (OLD) and its exclude hold for both trees.
         sys.exit(upgrade.cli_audit(out, root, new_path, against, as_json, as_sarif, output, select, jobs, excluded))
-    from kvpatch import report
+    from kvpatch.output import report
     from kvpatch.engine import scan_tree
 
     if as_sarif and root.is_dir():  # SARIF carries apply's rewrite as each rewritable site's fix
         from kvpatch.patch import build
-        from kvpatch.sarif_fixes import fixes_by_site
+        from kvpatch.output.sarif_fixes import fixes_by_site
 
         t0 = time.perf_counter()
         built = build(root, select, jobs, out.progress(), excluded)
@@ -166,7 +166,7 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
               kvpatch apply -i ~/sglang
     """
     from kvpatch import patch as P
-    from kvpatch import report
+    from kvpatch.output import report
 
     cfg = _settings(path, out, rules=rules, jobs=jobs, no_commit=no_commit)  # options over [tool.kvpatch]
     select, jobs, no_commit = cfg.rules.value, cfg.jobs.value, not cfg.commit.value
@@ -176,7 +176,7 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
         out.error(f"{path}: apply works on a checkout directory (audit also takes a single file)")
         sys.exit(EXIT_ERROR)
     if interactive:
-        from kvpatch import cli_ask
+        from kvpatch.cli import ask as cli_ask
     ask = cli_ask.asker(out, root, dry_run, allow_dirty) if interactive else None
     t0 = time.perf_counter()
     try:
@@ -240,7 +240,7 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
 
 
 def _answered(built) -> str:
-    from kvpatch.cli_ask import answered
+    from kvpatch.cli.ask import answered
 
     return answered(built) if built.answers is not None else ""
 
@@ -302,9 +302,10 @@ def recover(out: Out, path, dry_run):
     \b
     Example:  kvpatch recover --dry-run ~/sglang
     """
-    from kvpatch import lock, write
-    from kvpatch.gittxn import GitUndoError
-    from kvpatch.safepath import UnsafePath
+    from kvpatch.checkout import lock
+    from kvpatch.checkout import write
+    from kvpatch.checkout.gittxn import GitUndoError
+    from kvpatch.checkout.safepath import UnsafePath
 
     root = _root(path, out).resolve()
     try:
@@ -386,8 +387,8 @@ if __name__ == "__main__":  # pragma: no cover
     main()
 
 
-from kvpatch.cli_info import config_cmd, rules_cmd, verify  # noqa: E402 - registered after main exists
-from kvpatch.cli_test import test_cmd  # noqa: E402
+from kvpatch.cli.info import config_cmd, rules_cmd, verify  # noqa: E402 - registered after main exists
+from kvpatch.cli.testing import test_cmd  # noqa: E402
 
 for _sub in (rules_cmd, verify, test_cmd, config_cmd):
     main.add_command(_sub)

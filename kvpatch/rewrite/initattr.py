@@ -15,8 +15,8 @@ from typing import Iterable, Optional, Set, Union
 
 import libcst as cst
 
-from kvpatch.locate import ClassFacts
-from kvpatch.match import UnitContext
+from kvpatch.analysis.locate import ClassFacts
+from kvpatch.analysis.match import UnitContext
 from kvpatch.names import MODEL_RUNNER_CLASS, MODEL_RUNNER_PARAM
 from kvpatch.rule import InsertStatement
 

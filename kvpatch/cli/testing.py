@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from kvpatch.cli_out import CONTEXT
-from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
+from kvpatch.cli.out import CONTEXT
+from kvpatch.output.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
 from kvpatch.rule import RULES_PATH_ENV
 
 
@@ -33,7 +33,7 @@ def test_cmd(out, rule_ids, rules_path, config_from="."):
     Example:  kvpatch test --rules-path ./my_rules KVP901
     """
     from kvpatch import ruletest
-    from kvpatch.cli_out import _settings
+    from kvpatch.cli.out import _settings
     from kvpatch.rule import load_rules
 
     cfg = _settings(config_from, out)  # loads the config's rules-path for this command

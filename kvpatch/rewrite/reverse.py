@@ -19,7 +19,7 @@ import hashlib
 from typing import List, Optional, Sequence
 
 from kvpatch.engine import analyze_source
-from kvpatch.rewrite import RewriteError, plan_rewrite
+from kvpatch.rewrite.transform import RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
 
 CONTEXT_LINES = 3  # unchanged lines kept around each hunk to place it (as diff -U3)

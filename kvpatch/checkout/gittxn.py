@@ -21,9 +21,10 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvpatch import checkout, git
-from kvpatch.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, PACKED_REFS
-from kvpatch.safepath import UnsafePath
+from kvpatch.checkout import repo
+from kvpatch.checkout import git
+from kvpatch.checkout.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, PACKED_REFS
+from kvpatch.checkout.safepath import UnsafePath
 
 # How many commits a write makes (apply: one; revert: one): undo strips no more.
 MAX_COMMITS = 1
@@ -35,7 +36,7 @@ class GitUndoError(RuntimeError):
     """The git side cannot be undone now (one line: what to do)."""
 
 
-def record(info: checkout.GitInfo) -> dict:
+def record(info: repo.GitInfo) -> dict:
     """Where HEAD is, before a write's git steps."""
     workdir = Path(info.workdir)
     return {"head": HEADS + info.branch if info.branch else None, "commit": info.commit,
@@ -68,7 +69,7 @@ def plan(root: Path, rec: dict, files: List[dict]) -> List[Tuple[str, List[str]]
     line saying what it does; [] when git is already as recorded. `files`: the
     journal's entries (each written path and the sha256 of what it wrote)."""
     check(rec)
-    info = checkout.git_info(root)
+    info = repo.git_info(root)
     if info is None:
         return []
     workdir = Path(info.workdir)
@@ -129,12 +130,12 @@ def _refuse_stale_locks(git_dir: Path, steps: List[Tuple[str, List[str]]]) -> No
 
 
 def undo(root: Path, steps: List[Tuple[str, List[str]]]) -> None:
-    info = checkout.git_info(root)
+    info = repo.git_info(root)
     for _, args in steps:
         _git(Path(info.workdir), *args)
 
 
-def _written(root: Path, info: checkout.GitInfo, files: List[dict]) -> Dict[str, Optional[str]]:
+def _written(root: Path, info: repo.GitInfo, files: List[dict]) -> Dict[str, Optional[str]]:
     """repo path -> sha256 of the bytes the write put there (None: it deleted the path)."""
     out: Dict[str, Optional[str]] = {}
     for f in files:

@@ -6,7 +6,7 @@ rewritten together: the findings of rules linked by ``PAIRS_WITH`` or
 KVP102 plan calls that tell them their rows) are one change, every other
 site is a change of its own. Each change is rewritten alone, and checked, to
 show its hunk; a file where one cannot be is offered as one change. The
-prompt itself lives in kvpatch/cli_ask.py; nothing here reads a terminal.
+prompt itself lives in kvpatch/cli/ask.py; nothing here reads a terminal.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Set
 
-from kvpatch.codegen import IMPORT_LINE
+from kvpatch.rewrite.codegen import IMPORT_LINE
 from kvpatch.engine import Decided, FileAnalysis
-from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
+from kvpatch.rewrite.transform import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.sites import PlanCall
 
 

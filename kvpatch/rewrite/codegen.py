@@ -13,9 +13,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import libcst as cst
 
-from kvpatch.match import attr_call
+from kvpatch.analysis.match import attr_call
 from kvpatch.names import RUNTIME_ALIAS, RUNTIME_MODULE
-from kvpatch.units import leading_ws
+from kvpatch.analysis.units import leading_ws
 
 IMPORT_LINE = f"from . import {RUNTIME_MODULE} as {RUNTIME_ALIAS}  # kvpatch: FP8 KV-cache runtime"
 MAX_LINE = 88

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import List
 
-from kvpatch.choose import Change, Selection
-from kvpatch.cli_out import Out
-from kvpatch.exitcodes import EXIT_ERROR
+from kvpatch.rewrite.choose import Change, Selection
+from kvpatch.cli.out import Out
+from kvpatch.output.exitcodes import EXIT_ERROR
 from kvpatch.patch import colorize_diff
 from kvpatch.sites import PlanCall
 
@@ -58,7 +58,7 @@ def _answer(out: Out) -> str:
 
 
 def asker(out: Out, root: Path, dry_run: bool, allow_dirty: bool):
-    """apply -i's Asker (kvpatch.choose), once what apply would refuse anyway is
+    """apply -i's Asker (kvpatch.rewrite.choose), once what apply would refuse anyway is
     refused (a one-line error, exit 2) before any question."""
     from kvpatch import patch as P
 

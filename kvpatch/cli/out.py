@@ -12,7 +12,7 @@ from typing import Optional
 
 import click
 
-from kvpatch.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_USER_INTERRUPT, WHAT
+from kvpatch.output.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_USER_INTERRUPT, WHAT
 
 CLEAR_LINE = "\r\x1b[K"  # carriage return, erase to the end of the line
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -119,7 +119,7 @@ def _exit_help(cmd: click.Command) -> None:
 
 
 def _root(path: str, out: Out) -> Path:
-    from kvpatch.discover import looks_like_sglang
+    from kvpatch.analysis.discover import looks_like_sglang
 
     p = Path(path)
     if not p.exists():
@@ -211,7 +211,7 @@ def rule_source(rule) -> Optional[str]:
 
 def apply_counts(out: Out, built, written: bool, answered: str = "") -> None:
     """apply's (and --dry-run's) counts, the sites it leaves, and with -v each site
-    and plan call it rewrites; `answered`: apply -i's answers (kvpatch/cli_ask.py)."""
+    and plan call it rewrites; `answered`: apply -i's answers (kvpatch/cli/ask.py)."""
     verb = "rewritten" if written else "would be rewritten"
     if answered:
         out.echo(answered)

@@ -1,4 +1,4 @@
-"""checkout: the checkout kvpatch works on, as git sees it (through kvpatch.git).
+"""checkout: the checkout kvpatch works on, as git sees it (through kvpatch.checkout.git).
 
 Which commit and branch a checkout is on, whether its tree is dirty, which
 files git lists, the `kvpatch/<version-or-sha>` branch and the one commit an
@@ -6,7 +6,7 @@ apply or revert makes. A directory outside git (or untracked inside someone
 else's repository) works too: `git_info` then answers None and `plain_reason`
 says why.
 
-Every command runs through kvpatch.git (the git command itself, so hooks,
+Every command runs through kvpatch.checkout.git (the git command itself, so hooks,
 signing, identity, filters and the index lock are git's). Every path list git
 prints is read with ``-z`` (quoted non-ASCII names never match), and every path
 kvpatch passes is a literal pathspec (a file named ``*.py`` is not a glob).
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from kvpatch import git
-from kvpatch.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, NUL, GitError  # noqa: F401 - GitError: callers catch it as checkout.GitError
+from kvpatch.checkout import git
+from kvpatch.checkout.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, NUL, GitError  # noqa: F401 - GitError: callers catch it as repo.GitError
 
 # setuptools-scm checkouts carry a literal "0.0.0..." fallback: not a version.
 NO_VERSION = re.compile(r"0\.0\.0(\.dev\d*)?")
@@ -33,7 +33,7 @@ NO_VERIFY = "--no-verify"
 
 @dataclass
 class GitInfo:
-    repo: object  # git.Repo, opaque outside kvpatch.git
+    repo: object  # git.Repo, opaque outside kvpatch.checkout.git
     workdir: Path
     commit: Optional[str]
     branch: Optional[str]  # None: detached HEAD or no commit yet

@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import libcst as cst
 
-from kvpatch.codegen import IMPORT_LINE
+from kvpatch.rewrite.codegen import IMPORT_LINE
 from kvpatch.engine import FileAnalysis, analyze_source
 from kvpatch.rule import InsertStatement, NeedRuntime, ReplaceNode, Rule
 from kvpatch.sites import PlanCall, Site
-from kvpatch.units import encode, ranges, splice
+from kvpatch.analysis.units import encode, ranges, splice
 
 
 class RewriteError(Exception):

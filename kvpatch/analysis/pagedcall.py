@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 import libcst as cst
 
-from kvpatch.dataflow import loads_in
-from kvpatch.stable import stored_in
-from kvpatch.tensorops import PAGED_KEYWORDS
+from kvpatch.analysis.dataflow import loads_in
+from kvpatch.analysis.stable import stored_in
+from kvpatch.analysis.tensorops import PAGED_KEYWORDS
 
 CACHE_KEYWORDS = ("k_cache", "v_cache")  # flash_attn_with_kvcache's paged caches
 SEQLENS_KEYWORD = "cache_seqlens"

@@ -22,7 +22,7 @@ from libcst._nodes.internal import CodegenState
 from libcst.metadata import MetadataWrapper, PositionProvider
 from libcst.metadata.position_provider import CodePosition, CodeRange
 
-from kvpatch.locate import Unit
+from kvpatch.analysis.locate import Unit
 
 
 class UnitParseError(Exception):

@@ -17,8 +17,8 @@ from typing import List
 
 import libcst as cst
 
-from kvpatch.dataflow import Definition, loads_in
-from kvpatch.match import CastForm, Consumer, UnitContext, contains, is_kv_dtype_expr
+from kvpatch.analysis.dataflow import Definition, loads_in
+from kvpatch.analysis.match import CastForm, Consumer, UnitContext, contains, is_kv_dtype_expr
 
 
 @dataclass

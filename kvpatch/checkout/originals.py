@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Tuple
 
-from kvpatch import git
-from kvpatch.safepath import read_regular
+from kvpatch.checkout import git
+from kvpatch.checkout.safepath import read_regular
 from kvpatch.names import ORIGINALS, STATE_DIR
-from kvpatch.state import sha256
+from kvpatch.checkout.state import sha256
 
 
 class OriginalError(Exception):

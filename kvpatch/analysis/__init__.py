@@ -1,0 +1,1 @@
+"""Source analysis: find the sites and judge them."""

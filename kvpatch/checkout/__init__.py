@@ -1,0 +1,1 @@
+"""The checkout: git, the transaction that writes it, and its record."""

@@ -1,0 +1,1 @@
+"""What kvpatch prints: table, JSON, SARIF, exit codes."""

@@ -1,0 +1,1 @@
+"""The rewrite: turn the decisions into new text."""
