@@ -15,12 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvpatch.runtime import TEMPLATE  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "sglang"
 GOLDEN = REPO / "tests" / "golden" / "flashinfer_mla_backend.patched.py"
-RUNTIME = REPO / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+RUNTIME = TEMPLATE  # the joined runtime source, as apply injects it (before its version stamp)
 BACKEND = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"
 RT_REL = str(Path(BACKEND).parent / "_kvpatch_runtime.py")
 
