@@ -1,4 +1,4 @@
-"""checkout: the checkout kvpatch works on, as git sees it (through kvpatch.checkout.git).
+"""repo: the checkout kvpatch works on, as git sees it (through kvpatch.checkout.git).
 
 Which commit and branch a checkout is on, whether its tree is dirty, which
 files git lists, the `kvpatch/<version-or-sha>` branch and the one commit an

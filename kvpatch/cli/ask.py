@@ -1,4 +1,4 @@
-"""cli_ask: the terminal side of `kvpatch apply -i`: show each change's hunk, ask.
+"""The terminal side of `kvpatch apply -i`: show each change's hunk, ask.
 
 Answers, as `fixit fix -i` and `ast-grep -i` take them: y (apply it), n (leave
 it; recorded as declined), a (this one and every one after it), q (stop: what

@@ -1,4 +1,4 @@
-"""rewrite: turn a file's decisions into its new text, or refuse.
+"""transform: turn a file's decisions into its new text, or refuse.
 
 Edits are applied per unit with one libcst transformer (so an edit inside
 another edit's node composes), units are spliced back bottom-up, the runtime
