@@ -12,7 +12,9 @@ from typing import List, Optional
 
 import libcst as cst
 
-from kvpatch.analysis.match import CastForm, Consumer, Origin
+from kvpatch.analysis.locate import mla_plan_shape
+from kvpatch.analysis.match import CastForm, Consumer, Origin, is_attr
+from kvpatch.names import PLAN_METHOD
 
 # BatchMLAPagedAttentionWrapper.plan's parameters, in order.
 PLAN_PARAMS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads",
@@ -69,3 +71,27 @@ def bind_plan_args(call: cst.Call, skip_first: bool = False) -> Optional[dict]:
         if a.keyword is not None:
             out[PLAN_PARAM_ALIASES.get(a.keyword.value, a.keyword.value)] = a
     return out
+
+
+class _Calls(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.calls: List[cst.Call] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        self.calls.append(node)
+
+
+def calls_in(node: cst.CSTNode) -> List[cst.Call]:
+    """Every call under `node`, in the order libcst visits them: where candidates come from."""
+    v = _Calls()
+    node.visit(v)
+    return v.calls
+
+
+def is_mla_plan(call: cst.Call) -> bool:
+    """`X.plan(...)` with the arguments of a FlashInfer MLA wrapper's plan (locate.mla_plan_shape)."""
+    if not is_attr(call.func, (PLAN_METHOD,)):
+        return False
+    return mla_plan_shape({a.keyword.value for a in call.args if a.keyword is not None},
+                          sum(1 for a in call.args if a.keyword is None and not a.star),
+                          any(a.star for a in call.args))
