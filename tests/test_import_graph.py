@@ -266,3 +266,16 @@ def test_layering_check_catches_an_upward_import(tmp_path):
     # the same import, against a layering with the CLI at the bottom: allowed there
     low_cli = tuple((n, us) for n, us in LAYERS if "kvpatch.cli" not in us) + (("cli", ("kvpatch.cli",)),)
     assert not any(v.startswith("kvpatch.analysis.units") for v in layering_violations(import_graph(tmp_path), low_cli))
+
+
+# -- the layout's size (issue 19) -----------------------------------------------------
+MAX_LINES = 400
+MAX_TOP_MODULES = 10  # beside __init__.py and __main__.py; the rest lives in the stage folders
+
+
+def test_modules_stay_short_and_the_top_stays_small():
+    long = {p.relative_to(ROOT).as_posix(): n for p in sorted((ROOT / "kvpatch").rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}, f"over {MAX_LINES} lines: split by job (the runtime: one more part)"
+    top = sorted(p.name for p in (ROOT / "kvpatch").glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"kvpatch/ holds {len(top)} modules beside its folders: {top}"
