@@ -1,1 +1,2 @@
-"""What kvpatch prints: table, JSON, SARIF, exit codes."""
+"""What kvpatch prints: report (table, JSON, SARIF), sarif_fixes (SARIF `fixes`), and
+exitcodes (every exit code, spelled once). A new output format goes here."""
