@@ -11,6 +11,9 @@ self-contained module ``apply`` writes next to each patched backend as
     _pages      the page cast (page tables: FA3/FA4, MUSA, XPU)
     _reset      the test hooks
 
+fused.py (the fused FP8 MLA attention of issue 17) is not a part yet: it reads alone, and joins
+PARTS once a rewrite routes kernel calls to it.
+
 A part keeps what lies between its ``# -- joined from here --`` line (or its start) and
 its ``# -- joined up to here --`` line (or its end); what lies outside (a part's docstring,
 its imports of the other parts) only lets it read alone. A new part is one more entry
