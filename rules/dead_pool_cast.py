@@ -19,14 +19,14 @@ from typing import Optional
 
 import libcst as cst
 
-from kvpatch.candidates import CastCandidate
-from kvpatch.classify import dead_result
-from kvpatch.match import UnitContext
+from kvpatch.analysis.candidates import CastCandidate
+from kvpatch.analysis.classify import dead_result
+from kvpatch.analysis.match import UnitContext
 from kvpatch.names import CAST_CALLS, KV_GETTERS
-from kvpatch.removal import LOCALS_READERS, block_of, remove_statement
+from kvpatch.rewrite.removal import LOCALS_READERS, block_of, remove_statement
 from kvpatch.rule import Decision, Invalid, Rule, Valid
 from kvpatch.sites import HOT
-from kvpatch.tensorops import VIEW_METHODS
+from kvpatch.analysis.tensorops import VIEW_METHODS
 
 _SIMPLE = (cst.Name, cst.Integer, cst.Float, cst.SimpleString, cst.Ellipsis)
 

@@ -68,7 +68,7 @@ class FooBackend:
 def test_apply_deletes_dead_casts_shows_them_in_the_diff_and_revert_restores_the_bytes(tmp_path):
     from click.testing import CliRunner
 
-    from kvpatch.cli import main
+    from kvpatch.cli.commands import main
 
     path = tmp_path / REL
     path.parent.mkdir(parents=True)

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
-from kvpatch.cli import main  # noqa: E402
+from kvpatch.cli.commands import main  # noqa: E402
+from kvpatch.runtime import TEMPLATE  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from kvpatch.verify.aiter_reference import mha_batch_prefill_func  # noqa: E402
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "aiter"
-RUNTIME = REPO / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+RUNTIME = TEMPLATE  # the joined runtime source, as apply injects it (before its version stamp)
 REL = "python/sglang/srt/layers/attention/aiter_backend.py"
 SITE = "AiterAttnBackend.forward_extend"
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")  # kvpatch verify needs it; the symbolic check itself does not
 
-from kvpatch.cli import main  # noqa: E402
+from kvpatch.cli.commands import main  # noqa: E402
 from kvpatch.rule import load_rules  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from kvpatch.verify.deadstore import changed_functions, compare_function, only_deletions  # noqa: E402

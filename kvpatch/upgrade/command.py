@@ -12,7 +12,7 @@ from kvpatch.upgrade.render import render, summary_line, to_sarif
 
 # -- the command -------------------------------------------------------------------------
 def _check_tree(path: str, what: str) -> Path:
-    from kvpatch.discover import looks_like_sglang
+    from kvpatch.analysis.discover import looks_like_sglang
 
     p = Path(path)
     if not p.exists():

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from kvpatch.names import CAST_CALLS, KV_GETTERS
-from kvpatch.tensorops import VIEW_METHODS
+from kvpatch.analysis.tensorops import VIEW_METHODS
 
 _DROPPABLE = CAST_CALLS | VIEW_METHODS | KV_GETTERS  # what a deleted dead cast may stop calling
 
