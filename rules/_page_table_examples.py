@@ -2,6 +2,7 @@
 hand-written, shaped like the SGLang backends the rule rewrites (not SGLang code)."""
 
 from kvpatch.rewrite.codegen import IMPORT_LINE
+from kvpatch.rule import Invalid
 
 RT = IMPORT_LINE + "\n\n"  # what apply adds at the top of a file with no imports
 
@@ -176,3 +177,49 @@ def _slot_ragged(cache: str, tables=("self.forward_metadata.kv_indices",)) -> st
                     f"{t}, 1),\n" for t in tables)
     return (f"_kvpatch_rt.kv_pages_for_kernel(\n                {cache},\n                dtype,\n                1,\n"
             f"{lists}            )")
+
+
+# KVP103's INVALID examples for aiter's MHA extend (mha_batch_prefill_func).
+AITER_PREFILL_INVALID = (
+    Invalid(
+        AITER_PREFILL,
+        expected=RT + AITER_PREFILL.replace("k_cache.to(dtype)", _slot_ragged("k_cache"))
+                                   .replace("v_cache.to(dtype)", _slot_ragged("v_cache")),
+        status="hot",
+        why="aiter MHA extend: mha_batch_prefill_func reads the rows kv_indices[kv_indptr[b]:kv_indptr[b+1]] "
+            "of its [slots, heads, dim] caches (page size 1); each half of the (k, v) pool cast under a guard",
+    ),
+    Invalid(
+        AITER_PREFILL_SWA,
+        expected=RT + AITER_PREFILL_SWA.replace("k_cache.to(dtype)", _slot_ragged("k_cache", AITER_SWA_TABLES))
+                                       .replace("v_cache.to(dtype)", _slot_ragged("v_cache", AITER_SWA_TABLES)),
+        status="hot",
+        why="SGLang 2026-01: the page list is a name bound after the cast, to the SWA table under a condition; "
+            "each definition's value means the same at the cast, so the pages of both are cast (a superset)",
+    ),
+    Invalid(
+        AITER_PREFILL_SWA.replace("page_table = self.forward_metadata.swa_page_table",
+                                  "page_table = self.swa_table_of(layer)"),
+        status="unsupported",
+        why="one definition of the page list calls a function: it cannot run at the cast",
+    ),
+    Invalid(
+        AITER_PREFILL.replace("            k_cache,\n            v_cache,\n",
+                              "            k_cache.view(-1, 1, layer.tp_k_head_num, layer.head_dim),\n"
+                              "            v_cache.view(-1, 1, layer.tp_v_head_num, layer.head_dim),\n"),
+        status="unsupported",
+        why="a reshaped cache: the rows mha_batch_prefill_func indexes may not be the pool's slots",
+    ),
+    Invalid(
+        AITER_PREFILL.replace("            sink_ptr=sinks,\n",
+                              "            sink_ptr=sinks,\n            block_table=self.forward_metadata.page_table,\n"),
+        status="hot",
+        why="a `block_table=` changes the kernel's layout: not bound, reported with what a rewrite needs",
+    ),
+    Invalid(
+        AITER_PREFILL.replace("            self.forward_metadata.max_kv_len,\n            causal=True,",
+                              "            self.forward_metadata.max_kv_len,\n            0.0,\n            causal=True,"),
+        status="hot",
+        why="a ninth positional argument: past the eighth the parameters differ between aiter versions",
+    ),
+)

@@ -33,9 +33,8 @@ from kvpatch.analysis.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid, emitted_call, refuse_unless_plain_cast
 from kvpatch.sites import HOT, UNSUPPORTED
 
-from ._page_table_examples import (AITER_DECODE, AITER_PREFILL, AITER_PREFILL_SWA, AITER_SWA_TABLES, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT, UNIFIED, XPU_CAST,
-                                   XPU_CAST_WRAPPED, XPU_DECODE, XPU_PREFILL, _patched, _ragged,
-                                   _slot_ragged)
+from ._page_table_examples import (AITER_DECODE, AITER_PREFILL_INVALID, CP_EXTEND, FA3_DECODE, FA3_PATCHED_CAST, RT,
+                                   UNIFIED, XPU_CAST, XPU_CAST_WRAPPED, XPU_DECODE, XPU_PREFILL, _patched, _ragged)
 
 RAGGED = "ragged"  # marks a (kv_indptr, kv_page_indices) pair among the (page_table, lengths) pairs
 ABSORBED_KEYWORD = "qv"  # FA3's absorbed-MLA query half: the call reads the latent cache
@@ -215,49 +214,7 @@ class FlashAttentionBackend:
         ),
     )
 
-    INVALID += (
-        Invalid(
-            AITER_PREFILL,
-            expected=RT + AITER_PREFILL.replace("k_cache.to(dtype)", _slot_ragged("k_cache"))
-                                       .replace("v_cache.to(dtype)", _slot_ragged("v_cache")),
-            status="hot",
-            why="aiter MHA extend: mha_batch_prefill_func reads the rows kv_indices[kv_indptr[b]:kv_indptr[b+1]] "
-                "of its [slots, heads, dim] caches (page size 1); each half of the (k, v) pool cast under a guard",
-        ),
-        Invalid(
-            AITER_PREFILL_SWA,
-            expected=RT + AITER_PREFILL_SWA.replace("k_cache.to(dtype)", _slot_ragged("k_cache", AITER_SWA_TABLES))
-                                           .replace("v_cache.to(dtype)", _slot_ragged("v_cache", AITER_SWA_TABLES)),
-            status="hot",
-            why="SGLang 2026-01: the page list is a name bound after the cast, to the SWA table under a condition; "
-                "each definition's value means the same at the cast, so the pages of both are cast (a superset)",
-        ),
-        Invalid(
-            AITER_PREFILL_SWA.replace("page_table = self.forward_metadata.swa_page_table",
-                                      "page_table = self.swa_table_of(layer)"),
-            status="unsupported",
-            why="one definition of the page list calls a function: it cannot run at the cast",
-        ),
-        Invalid(
-            AITER_PREFILL.replace("            k_cache,\n            v_cache,\n",
-                                  "            k_cache.view(-1, 1, layer.tp_k_head_num, layer.head_dim),\n"
-                                  "            v_cache.view(-1, 1, layer.tp_v_head_num, layer.head_dim),\n"),
-            status="unsupported",
-            why="a reshaped cache: the rows mha_batch_prefill_func indexes may not be the pool's slots",
-        ),
-        Invalid(
-            AITER_PREFILL.replace("            sink_ptr=sinks,\n",
-                                  "            sink_ptr=sinks,\n            block_table=self.forward_metadata.page_table,\n"),
-            status="hot",
-            why="a `block_table=` changes the kernel's layout: not bound, reported with what a rewrite needs",
-        ),
-        Invalid(
-            AITER_PREFILL.replace("            self.forward_metadata.max_kv_len,\n            causal=True,",
-                                  "            self.forward_metadata.max_kv_len,\n            0.0,\n            causal=True,"),
-            status="hot",
-            why="a ninth positional argument: past the eighth the parameters differ between aiter versions",
-        ),
-    )
+    INVALID += AITER_PREFILL_INVALID  # aiter's mha_batch_prefill_func (rules/_page_table_examples.py)
 
     # -- recognise ----------------------------------------------------------
     def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
