@@ -17,7 +17,8 @@ import re
 
 import torch
 
-__kvpatch_runtime_version__ = "3"  # 3: k and v of one shape get their own shadows
+# 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
+__kvpatch_runtime_version__ = "3"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
