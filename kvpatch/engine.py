@@ -203,7 +203,7 @@ def _first(rules, hook: str, node, ctx: UnitContext):
 def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallback, plan_rules) -> None:
     cast_getters = set()  # getters whose buffer some cast in this function reads
     direct: List[cst.Call] = []
-    for call in calls_in(ctx.func):
+    for call in calls_in(ctx.func, ctx):
         func = call.func
         # -- a site a rule already rewrote -------------------------------------
         owner, got = _first(rules, "patched", call, ctx)

@@ -14,6 +14,8 @@ import libcst as cst
 
 from kvpatch.analysis.locate import mla_plan_shape
 from kvpatch.analysis.match import CastForm, Consumer, Origin, is_attr
+from kvpatch.analysis.stable import unit_calls
+from kvpatch.analysis.units import preorder
 from kvpatch.names import PLAN_METHOD
 
 # BatchMLAPagedAttentionWrapper.plan's parameters, in order.
@@ -81,8 +83,15 @@ class _Calls(cst.CSTVisitor):
         self.calls.append(node)
 
 
-def calls_in(node: cst.CSTNode) -> List[cst.Call]:
-    """Every call under `node`, in the order libcst visits them: where candidates come from."""
+def calls_in(node: cst.CSTNode, ctx=None) -> List[cst.Call]:
+    """Every call under `node`, in the order libcst visits them (source order; an outer call
+    before the calls inside it): where candidates come from. With the unit's `ctx`, read
+    from the nodes' fields and sorted by position, without a visitor pass."""
+    if ctx is not None:
+        pos = ctx.pu.positions()
+        calls = unit_calls(ctx) if node is ctx.func else [n for n in preorder(node) if isinstance(n, cst.Call)]
+        at = {c: pos[c] for c in calls}
+        return sorted(calls, key=lambda c: (at[c].start.line, at[c].start.column, -at[c].end.line, -at[c].end.column))
     v = _Calls()
     node.visit(v)
     return v.calls

@@ -8,14 +8,13 @@ function stores to an attribute path it reads.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import List, Tuple
 
 import libcst as cst
 
 from kvpatch.analysis.dataflow import loads_in
 from kvpatch.analysis.match import UnitContext
-from kvpatch.analysis.units import _FIELDS
+from kvpatch.analysis.units import preorder
 
 
 def differs_at(ctx: UnitContext, expr: cst.BaseExpression, at: cst.CSTNode, use: str) -> str:
@@ -50,20 +49,32 @@ def stored_in(ctx: UnitContext, expr: cst.BaseExpression, use: str) -> str:
 _SCAN = "_kvpatch_unit_scan"
 
 
-def _scan(ctx: UnitContext) -> Tuple[list, list]:
-    """(attribute/item store targets, nested defs and lambdas) of the unit's function, in
-    source order, from one walk per unit (every table and length of every site asks; a
-    visitor walk per question was most of audit's time)."""
+def _scan(ctx: UnitContext) -> Tuple[list, list, list]:
+    """(attribute/item store targets and nested defs and lambdas of the function body, every
+    call of the function) from one walk per unit (every table and length of every site asks;
+    a visitor walk per question was most of audit's time)."""
     got = ctx.__dict__.get(_SCAN)
     if got is None:
-        stores, scopes = [], []
-        for n in preorder(ctx.func.body):
+        stores, scopes, calls = [], [], []
+        func = ctx.func
+        outside = {id(n) for part in (func.decorators, [func.params], [func.returns] if func.returns else [])
+                   for root in part for n in preorder(root)}
+        for n in preorder(func):
+            if isinstance(n, cst.Call):
+                calls.append(n)
+            if n is func or id(n) in outside:
+                continue
             if isinstance(n, (cst.AssignTarget, cst.AugAssign)) and isinstance(n.target, (cst.Attribute, cst.Subscript)):
                 stores.append(n.target)
             elif isinstance(n, (cst.FunctionDef, cst.Lambda)):
                 scopes.append(n)
-        got = ctx.__dict__[_SCAN] = ([(ctx.code(n), n) for n in stores], scopes)
+        got = ctx.__dict__[_SCAN] = ([(ctx.code(n), n) for n in stores], scopes, calls)
     return got
+
+
+def unit_calls(ctx: UnitContext) -> List[cst.Call]:
+    """Every call of the unit's function (decorators and defaults too), in field order."""
+    return _scan(ctx)[2]
 
 
 def attribute_stores(ctx: UnitContext) -> List[Tuple[str, cst.CSTNode]]:
@@ -74,24 +85,3 @@ def attribute_stores(ctx: UnitContext) -> List[Tuple[str, cst.CSTNode]]:
 def nested_scopes(ctx: UnitContext) -> List[cst.CSTNode]:
     """The defs and lambdas inside the unit's function body, in source order."""
     return _scan(ctx)[1]
-
-
-def preorder(root: cst.CSTNode):
-    """Every node under root, parents first and children in source order, read straight from
-    the nodes' dataclass fields (as units.parent_map: no visitor)."""
-    stack = [root]
-    node_type = cst.CSTNode
-    while stack:
-        n = stack.pop()
-        yield n
-        names = _FIELDS.get(type(n))
-        if names is None:
-            names = _FIELDS[type(n)] = tuple(f.name for f in dataclasses.fields(n))
-        kids = []
-        for name in names:
-            v = getattr(n, name)
-            if isinstance(v, node_type):
-                kids.append(v)
-            elif isinstance(v, (list, tuple)):
-                kids.extend(x for x in v if isinstance(x, node_type))
-        stack.extend(reversed(kids))

@@ -109,6 +109,27 @@ def parent_map(root: cst.CSTNode) -> Dict[cst.CSTNode, cst.CSTNode]:
     return parents
 
 
+def preorder(root: cst.CSTNode):
+    """Every node under root, parents first and children in source order, read straight from
+    the nodes' dataclass fields (as units.parent_map: no visitor)."""
+    stack = [root]
+    node_type = cst.CSTNode
+    while stack:
+        n = stack.pop()
+        yield n
+        names = _FIELDS.get(type(n))
+        if names is None:
+            names = _FIELDS[type(n)] = tuple(f.name for f in dataclasses.fields(n))
+        kids = []
+        for name in names:
+            v = getattr(n, name)
+            if isinstance(v, node_type):
+                kids.append(v)
+            elif isinstance(v, (list, tuple)):
+                kids.extend(x for x in v if isinstance(x, node_type))
+        stack.extend(reversed(kids))
+
+
 @dataclass
 class ParsedUnit:
     unit: Unit
