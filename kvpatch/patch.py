@@ -283,10 +283,11 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
         branch = checkout.branch_name(info, root)
         checkout.create_branch(info, branch)
         try:
-            # The checkout's own files only: state.json lives in .kvpatch/
-            # (git-ignored); the originals are in git at the branch's base.
-            paths = [info.rel_to_repo(root, w.rel) for w in writes if not _is_state(w.rel)]
-            commit_sha = checkout.commit(info, paths, commit_message(patch), no_verify)
+            # The checkout's files and the state record (issue 18: a clone or a
+            # `git clean -fdx` keeps it); the originals are in git at the branch's base.
+            record = [info.rel_to_repo(root, f"{STATE_DIR}/{STATE_FILE}")]
+            paths = [info.rel_to_repo(root, w.rel) for w in writes if not _is_state(w.rel)] + record
+            commit_sha = checkout.commit(info, paths, commit_message(patch), no_verify, force=record)
         except BaseException:
             try:
                 checkout.restore_branch(info, orig_branch, branch)
