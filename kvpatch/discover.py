@@ -41,6 +41,9 @@ class SourceFile:
     data: bytes
 
 
+CANNOT_READ = "cannot read"  # a file whose bytes kvpatch could not get: apply refuses (kvpatch/envfail.py)
+
+
 @dataclass
 class ReadError:
     rel: str
@@ -110,7 +113,7 @@ def read_candidate(root: Path, path: Path):
     except UnsafePath:
         return ReadError(rel, "not a regular file: skipped")
     except OSError as exc:
-        return ReadError(rel, f"cannot read: {exc.strerror or exc}")
+        return ReadError(rel, f"{CANNOT_READ}: {exc.strerror or exc}")
     if not is_candidate(data):
         return None
     return SourceFile(rel, path, data)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, List, Optional
 
-from kvpatch import checkout, gittxn, lock, write
+from kvpatch import checkout, envfail, gittxn, lock, write
 from kvpatch.names import JOURNAL_FILE, STATE_DIR
 
 # .kvpatch/ holds the originals and state.json: never part of a commit (git has
@@ -38,6 +38,10 @@ def _write_and_commit(root: Path, writes: List[write.FileWrite], op: str, finish
         write.apply_writes(root, writes, op, before_finish=finish, git=git)
     except checkout.GitError as exc:
         raise PatchError(f"git commit failed, every file was rolled back ({NO_VERIFY_HINT}):\n{exc}") from None
+    except write.WriteError as exc:  # read-only, immutable, unwritable folder: refused before any write
+        raise PatchError(f"{exc}; nothing was changed") from None
+    except OSError as exc:  # the disk failed mid-way (full, read-only, EIO): rolled back, or left to recover
+        raise PatchError(envfail.after_write(root, exc, write.pending(root) is not None)) from None
 
 
 def _is_state(rel: str) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, choose, originals, write
+from kvpatch import RULESET_VERSION, __version__, checkout, choose, envfail, originals, write
 from kvpatch.engine import FileAnalysis, scan_tree
 from kvpatch.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
                              _is_state, _locked, _refuse_pending, _write_and_commit)  # PatchError: the CLI's
@@ -256,6 +256,9 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
            progress=None, patch: Optional[Patch] = None) -> ApplyResult:
     old_state, info = preflight(root, allow_dirty)
     patch = patch or build(root, select, jobs, progress)
+    unreadable = envfail.refuse_unreadable(patch.scan.all_errors)  # no silent partial apply (issue 18)
+    if unreadable:
+        raise PatchError(unreadable)
     if patch.empty:
         return ApplyResult(patch, [], None, None, info is not None, "nothing to do")
     if info is not None and allow_dirty and not no_commit:
