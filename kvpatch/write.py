@@ -51,7 +51,7 @@ class FileWrite:
 def preflight(root: Path, writes: List[FileWrite]) -> List[str]:
     """Reasons the writes cannot all be done; empty when they can."""
     problems, seen = [], set()
-    if os.statvfs(root).f_flag & getattr(os, "ST_RDONLY", 1):  # one line for a read-only mount, not one per file
+    if hasattr(os, "statvfs") and os.statvfs(root).f_flag & os.ST_RDONLY:  # a read-only mount: one line
         return [f"{root}: is on a read-only filesystem"]
     for d in (STATE_DIR, f"{STATE_DIR}/{TXN_DIR}"):
         if is_link(root / d):
