@@ -189,3 +189,19 @@ def test_revert_of_an_uncommitted_apply_carried_to_another_branch_restores_witho
     assert "git commit failed" not in r.output and "no commit" in r.output
     assert tree_hashes(example_git) == original and refs(example_git) == head
     assert git(example_git, "status", "--porcelain", "--ignored") == ""
+
+
+def test_revert_with_a_record_left_behind_on_a_branch_never_patched_refuses_first(patched):
+    """An ignored record (an older kvpatch's, or one copied along) on a branch that never carried
+    the patch: every file is already its original, and git would refuse an empty commit."""
+    repo, original, branch = patched
+    record = (repo / STATE_REL).read_bytes()
+    git(repo, "checkout", "-q", "main")
+    (repo / STATE_REL).write_bytes(record)  # untracked here, ignored by .kvpatch/.gitignore
+    before, head = tree_hashes(repo), refs(repo)
+    r = run("revert", repo)
+    assert r.exit_code == 2, r.output
+    err = r.output.strip().splitlines()
+    assert len(err) == 1 and "nothing to revert" in err[0] and f"git checkout {branch}" in err[0], r.output
+    assert "git commit failed" not in r.output
+    assert tree_hashes(repo) == before and refs(repo) == head
