@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 from kvpatch import checkout
-from kvpatch.names import CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
+from kvpatch.names import CANNOT_READ, CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
 from kvpatch.safepath import UnsafePath, is_link, read_regular
 
 # A KV-buffer read, or a site kvpatch already rewrote (plain substrings: `bytes in`
@@ -39,9 +39,6 @@ class SourceFile:
     rel: str
     path: Path
     data: bytes
-
-
-CANNOT_READ = "cannot read"  # a file whose bytes kvpatch could not get: apply refuses (kvpatch/envfail.py)
 
 
 @dataclass

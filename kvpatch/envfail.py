@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
-from kvpatch.discover import CANNOT_READ
 from kvpatch.git import GitError, GitUnreadable
+from kvpatch.names import CANNOT_READ
 
 # The errors a machine, not kvpatch, causes.
 ENV_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
