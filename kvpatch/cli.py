@@ -336,13 +336,10 @@ def _recover(out: Out, root: Path, dry_run: bool, write, refusals) -> None:
     if dry_run:
         out.info(f"kvpatch recover --dry-run: {len(steps)} step(s); nothing changed")
         sys.exit(EXIT_OK)
-    refused = envfail.check_rollback(root, j)  # a read-only or immutable target: before touching any
-    if refused:
-        out.error(refused)
-        sys.exit(EXIT_ERROR)
     try:
+        envfail.check_rollback(root, j)  # a read-only or immutable target: refused before touching any
         restored = write.rollback(root)
-    except (*refusals, OSError) as exc:
+    except (*refusals, OSError, envfail.EnvFailure) as exc:
         out.error(envfail.line(exc, "recover", f"refusing to recover, nothing was touched: {exc}"))
         sys.exit(EXIT_ERROR)
     out.echo(f"rolled back {len(restored)} file(s): " + ", ".join(restored))

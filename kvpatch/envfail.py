@@ -124,18 +124,17 @@ def refuse_unreadable(errors) -> Optional[str]:
             f"refusing to apply, nothing was written")
 
 
-def check_rollback(root: Path, j: dict) -> Optional[str]:
-    """Before recover touches anything: a file it must restore or remove that it
-    cannot write (read-only, immutable, read-only folder), as one line."""
+def check_rollback(root: Path, j: dict) -> None:
+    """Before recover touches anything: EnvFailure (one line) for a file it must
+    restore or remove that it cannot write (read-only, immutable, read-only folder)."""
     from kvpatch import write
 
     if j.get("phase") == write.PHASE_STAGING:
-        return None  # no target was touched: only scratch files go
+        return  # no target was touched: only scratch files go
     targets = [write.FileWrite(f["rel"], b"") for f in j.get("files", [])
                if (f.get("backup") and (root / f["backup"]).exists())
                or (f.get("created") and (root / f["rel"]).exists())]
     problems = write.preflight(root, targets)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return f"{problems[0]}{more}: refusing to recover, nothing was touched (the journal is kept)"
-    return None
+        raise EnvFailure(f"{problems[0]}{more}: refusing to recover, nothing was touched (the journal is kept)")
