@@ -12,12 +12,12 @@ from __future__ import annotations
 import signal
 import sys
 
-from kvpatch.exitcodes import EXIT_USER_INTERRUPT
+from kvpatch.output.exitcodes import EXIT_USER_INTERRUPT
 
 
 def run(argv: list[str] | None = None) -> None:
     try:
-        from kvpatch.cli import main
+        from kvpatch.cli.commands import main
     except KeyboardInterrupt:
         sys.stderr.write("Error: interrupted (nothing was written)\n")
         sys.exit(EXIT_USER_INTERRUPT)

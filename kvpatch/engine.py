@@ -20,16 +20,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import libcst as cst
 
-from kvpatch import discover, suppress
-from kvpatch.candidates import CastCandidate, PlanCandidate, bind_plan_args
-from kvpatch.classify import prove_noop, unreachable
-from kvpatch.locate import locate, mla_plan_shape
-from kvpatch.names import MLA_PLAN_FUNCTIONS, PLAN_METHOD, POOL_GETTERS
-from kvpatch.match import FileContext, UnitContext, consumer_names, is_attr
+from kvpatch.analysis import discover, suppress
+from kvpatch.analysis.candidates import CastCandidate, PlanCandidate, bind_plan_args, calls_in, is_mla_plan
+from kvpatch.analysis.classify import prove_noop, unreachable
+from kvpatch.analysis.locate import locate
+from kvpatch.analysis.match import FileContext, UnitContext, consumer_names, is_attr
+from kvpatch.analysis.units import ParsedUnit, UnitParseError, decode, parse_unit, split_lines
+from kvpatch.names import MLA_PLAN_FUNCTIONS, POOL_GETTERS
 from kvpatch.rule import Decision, Rule, load_rules
 from kvpatch.sites import (FIXED_UPSTREAM, HOT, NOOP, PATCHED, FileError, FileRecords, PlanCall,  # noqa: F401
                            ScanResult, Site, backend_name, path_kind)  # ScanResult: re-exported
-from kvpatch.units import ParsedUnit, UnitParseError, decode, parse_unit, split_lines
 
 
 
@@ -71,22 +71,6 @@ class FileAnalysis:
 
 
 # -- per file --------------------------------------------------------------
-class _Calls(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.calls: List[cst.Call] = []
-
-    def visit_Call(self, node: cst.Call) -> None:
-        self.calls.append(node)
-
-
-def _is_mla_plan(call: cst.Call) -> bool:
-    if not is_attr(call.func, (PLAN_METHOD,)):
-        return False
-    return mla_plan_shape({a.keyword.value for a in call.args if a.keyword is not None},
-                          sum(1 for a in call.args if a.keyword is None and not a.star),
-                          any(a.star for a in call.args))
-
-
 def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:
     try:
         return _analyze_source(rel, data, rules)
@@ -217,11 +201,9 @@ def _first(rules, hook: str, node, ctx: UnitContext):
 
 
 def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallback, plan_rules) -> None:
-    v = _Calls()
-    ctx.func.visit(v)
     cast_getters = set()  # getters whose buffer some cast in this function reads
     direct: List[cst.Call] = []
-    for call in v.calls:
+    for call in calls_in(ctx.func):
         func = call.func
         # -- a site a rule already rewrote -------------------------------------
         owner, got = _first(rules, "patched", call, ctx)
@@ -236,7 +218,7 @@ def _analyze_unit(fa: FileAnalysis, ctx: UnitContext, rules, cast_rules, fallbac
             continue
         # -- MLA plan calls ----------------------------------------------------
         plan: Optional[PlanCandidate] = None
-        if _is_mla_plan(call):
+        if is_mla_plan(call):
             args = bind_plan_args(call)
             if args is not None:
                 kw = any(a.keyword is not None and a.keyword.value in ("q_data_type", "kv_data_type")

@@ -3,7 +3,7 @@
 What SGLang and FlashInfer call things (the KV getters, the casts, the MLA
 wrapper), what kvpatch injects (the runtime module and its alias) and where it
 keeps its own files (the ``.kvpatch/`` layout). Statuses and records live in
-``kvpatch.sites``, exit codes in ``kvpatch.exitcodes``. A rule names its own
+``kvpatch.sites``, exit codes in ``kvpatch.output.exitcodes``. A rule names its own
 runtime calls (``Rule.EMITS``); nothing here names a rule.
 """
 
@@ -31,7 +31,7 @@ PLAN_METHOD = "plan"
 MLA_PLAN_FUNCTIONS = ("fast_mla_decode_plan", "fast_mla_prefill_plan")
 
 # -- SGLang's model runner: what an attention backend's `__init__` receives, and
-# the KV-cache dtype it knows (kvpatch/initattr.py keeps it on the instance).
+# the KV-cache dtype it knows (kvpatch/rewrite/initattr.py keeps it on the instance).
 MODEL_RUNNER_PARAM = "model_runner"
 MODEL_RUNNER_CLASS = "ModelRunner"  # in a parameter's annotation
 KV_CACHE_DTYPE = "kv_cache_dtype"
@@ -56,7 +56,7 @@ ORIGINALS = "originals"
 TXN_DIR = "txn"
 
 # How a scan names a file whose bytes it could not get (apply refuses the whole
-# apply over one: kvpatch/envfail.py).
+# apply over one: kvpatch/checkout/envfail.py).
 CANNOT_READ = "cannot read"
 
 # -- Folders never descended into: VCS data, caches, our own state, virtualenvs.

@@ -4,7 +4,7 @@
 is `--dry-run`); `apply` writes it through ``write.apply_writes`` (all files or
 none) and records ``.kvpatch/state.json``. `revert` (kvpatch/revert.py) restores
 the recorded originals byte for byte; `status` (kvpatch/status.py) compares the
-checkout with its record; kvpatch/guarded.py holds the steps both writers share.
+checkout with its record; kvpatch/checkout/guarded.py holds the steps both writers share.
 """
 
 from __future__ import annotations
@@ -16,17 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kvpatch import RULESET_VERSION, __version__, checkout, choose, envfail, originals, write
+from kvpatch import RULESET_VERSION, __version__
+from kvpatch.checkout import envfail
+from kvpatch.checkout import repo
+from kvpatch.rewrite import choose
+from kvpatch.checkout import originals
+from kvpatch.checkout import write
 from kvpatch.engine import FileAnalysis, scan_tree
-from kvpatch.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
+from kvpatch.checkout.guarded import (GIT_IGNORE, IGNORE_ALL, PatchError, _git_preflight, _git_record,  # noqa: F401
                              _is_state, _locked, _refuse_pending, _write_and_commit)  # PatchError: the CLI's
 from kvpatch.revert import original as revert_original
-from kvpatch.rewrite import FileRewrite, RewriteError, plan_rewrite
+from kvpatch.rewrite.transform import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.rule import load_rules
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source, runtime_version
-from kvpatch.safepath import is_link, read_regular
+from kvpatch.checkout.safepath import is_link, read_regular
 from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, FileError, PlanCall, ScanResult
-from kvpatch.state import (STATE_DIR, STATE_FILE, DeclinedRecord, FileRecord, RuntimeRecord, SiteRecord, State,
+from kvpatch.checkout.state import (STATE_DIR, STATE_FILE, DeclinedRecord, FileRecord, RuntimeRecord, SiteRecord, State,
                            declined_key, load, sha256)
 
 
@@ -243,9 +248,9 @@ def preflight(root: Path, allow_dirty: bool = False):
     (the recorded state, git info)."""
     _refuse_pending(root)
     old_state = load(root)  # a crafted state is refused here, before anything is touched
-    info = checkout.git_info(root)
+    info = repo.git_info(root)
     if info is not None and not allow_dirty:
-        dirty = [p for p in checkout.dirty_paths(info, root) if not p.startswith(STATE_DIR)]
+        dirty = [p for p in repo.dirty_paths(info, root) if not p.startswith(STATE_DIR)]
         if dirty:
             raise PatchError(f"the git tree has uncommitted changes ({', '.join(dirty[:3])}"
                              f"{'...' if len(dirty) > 3 else ''}): commit or stash them, or pass --allow-dirty")
@@ -263,7 +268,7 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
         return ApplyResult(patch, [], None, None, info is not None, "nothing to do")
     if info is not None and allow_dirty and not no_commit:
         touched = {info.rel_to_repo(root, r.rel) for r in patch.rewrites}
-        both = sorted(touched & set(checkout.dirty_paths(info, root)))
+        both = sorted(touched & set(repo.dirty_paths(info, root)))
         if both:
             raise PatchError(f"{both[0]} has uncommitted changes that the kvpatch commit would include: "
                              f"commit them first, or pass --no-commit")
@@ -274,7 +279,7 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
     branch = commit_sha = None
     notice = ""
     if info is None:
-        notice = f"{checkout.plain_reason(root)}: files written in place, no branch or commit"
+        notice = f"{repo.plain_reason(root)}: files written in place, no branch or commit"
     elif no_commit:
         notice = "--no-commit: files written in place, no branch or commit"
 
@@ -283,18 +288,18 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
         if info is None or no_commit:
             return
         orig_branch = info.branch
-        branch = checkout.branch_name(info, root)
-        checkout.create_branch(info, branch)
+        branch = repo.branch_name(info, root)
+        repo.create_branch(info, branch)
         try:
             # The checkout's files and the state record (issue 18: a clone or a
             # `git clean -fdx` keeps it); the originals are in git at the branch's base.
             record = [info.rel_to_repo(root, f"{STATE_DIR}/{STATE_FILE}")]
             paths = [info.rel_to_repo(root, w.rel) for w in writes if not _is_state(w.rel)] + record
-            commit_sha = checkout.commit(info, paths, commit_message(patch), no_verify, force=record)
+            commit_sha = repo.commit(info, paths, commit_message(patch), no_verify, force=record)
         except BaseException:
             try:
-                checkout.restore_branch(info, orig_branch, branch)
-            except checkout.GitError:
+                repo.restore_branch(info, orig_branch, branch)
+            except repo.GitError:
                 pass  # the commit's error is the one to report
             branch = None
             raise
@@ -336,7 +341,7 @@ def _apply_writes(root: Path, patch: Patch, info, old_state: Optional[State]) ->
     upstream = old_state.upstream if old_state else {
         "commit": info.commit if info else None,
         "branch": info.branch if info else None,
-        "sglang_version": checkout.sglang_version(root),
+        "sglang_version": repo.sglang_version(root),
     }
     state = State(
         kvpatch_version=__version__, ruleset_version=RULESET_VERSION, runtime_version=runtime_version(),

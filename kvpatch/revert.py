@@ -11,12 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kvpatch import checkout, originals, recognise, reverse, write
-from kvpatch.guarded import (GIT_IGNORE, PatchError, _git_preflight, _git_record, _is_state, _locked,
+from kvpatch.checkout import recognise
+from kvpatch.checkout import repo
+from kvpatch.checkout import originals
+from kvpatch.rewrite import reverse
+from kvpatch.checkout import write
+from kvpatch.checkout.guarded import (GIT_IGNORE, PatchError, _git_preflight, _git_record, _is_state, _locked,
                              _refuse_pending, _write_and_commit)
 from kvpatch.names import STATE_DIR, STATE_FILE
-from kvpatch.safepath import read_regular
-from kvpatch.state import load, sha256
+from kvpatch.checkout.safepath import read_regular
+from kvpatch.checkout.state import load, sha256
 
 STATE_REL = f"{STATE_DIR}/{STATE_FILE}"
 
@@ -55,11 +59,11 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
     _refuse_pending(root)
     st = load(root)
     if st is None:
-        raise PatchError(recognise.no_record(root, checkout.git_info(root)))
-    info = checkout.git_info(root)
+        raise PatchError(recognise.no_record(root, repo.git_info(root)))
+    info = repo.git_info(root)
     if info is not None and not allow_dirty and not no_commit:
         tracked = {info.rel_to_repo(root, f.path) for f in st.files}
-        dirty = sorted(set(checkout.dirty_paths(info, root)) - tracked - {info.rel_to_repo(root, STATE_REL)})
+        dirty = sorted(set(repo.dirty_paths(info, root)) - tracked - {info.rel_to_repo(root, STATE_REL)})
         if dirty:
             raise PatchError(f"the git tree has uncommitted changes ({dirty[0]}...): commit or stash them, "
                              f"or pass --allow-dirty / --no-commit")
@@ -106,7 +110,7 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
     if info is not None and not no_commit and not at_head:
         _git_preflight(info)
     commit_sha = None
-    notice = "" if info is not None else f"{checkout.plain_reason(root)}: files restored in place, no commit"
+    notice = "" if info is not None else f"{repo.plain_reason(root)}: files restored in place, no commit"
     if info is not None and no_commit:
         notice = "--no-commit: files restored in place, no commit"
     elif at_head:  # HEAD holds the originals: the patch was never committed here
@@ -138,8 +142,8 @@ def _revert_commit(info, root: Path, writes: List[write.FileWrite], restored: in
     # Removals only of what git tracks: .kvpatch/ is ignored (an apply by an
     # older kvpatch committed it, and then its removal is committed too).
     add = [info.rel_to_repo(root, w.rel) for w in writes if w.data is not None and not _is_state(w.rel)]
-    rm = checkout.tracked(info, [info.rel_to_repo(root, w.rel) for w in writes if w.data is None])
-    return checkout.commit(info, add + rm, f"kvpatch: revert ({restored} files restored, "
+    rm = repo.tracked(info, [info.rel_to_repo(root, w.rel) for w in writes if w.data is None])
+    return repo.commit(info, add + rm, f"kvpatch: revert ({restored} files restored, "
                                            f"{removed} runtime files removed)\n", no_verify)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
 
 from kvpatch.engine import FileAnalysis, analyze_source
-from kvpatch.rewrite import plan_rewrite
+from kvpatch.rewrite.transform import plan_rewrite
 from kvpatch.rule import Example, Rule
 from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, PLAN_REWRITE, Record
 

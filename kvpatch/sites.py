@@ -20,7 +20,7 @@ PATCHED = "patched"  # kvpatch's rewrite is present
 UNSUPPORTED = "unsupported"  # a pool-wide cast no rule can rewrite safely here
 GATHERED = "gathered"  # casts only gathered rows: never pool-wide
 FIXED_UPSTREAM = "fixed-upstream"  # the MLA kernel reads the pool without a full cast
-SUPPRESSED = "suppressed"  # a `# kvpatch: ignore` comment covers it (kvpatch/suppress.py)
+SUPPRESSED = "suppressed"  # a `# kvpatch: ignore` comment covers it (kvpatch/analysis/suppress.py)
 SITE_STATUSES = (HOT, NOOP, PATCHED, UNSUPPORTED, GATHERED, FIXED_UPSTREAM, SUPPRESSED)
 NEEDS_ACTION = (HOT, UNSUPPORTED)
 

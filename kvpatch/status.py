@@ -9,13 +9,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from kvpatch import lock, recognise, write
+from kvpatch.checkout import recognise
+from kvpatch.checkout import lock
+from kvpatch.checkout import write
 from kvpatch.engine import scan_tree
-from kvpatch.exitcodes import EXIT_ACTION, EXIT_DRIFT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
+from kvpatch.output.exitcodes import EXIT_ACTION, EXIT_DRIFT, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK
 from kvpatch.runtime import runtime_version
 from kvpatch.sites import NEEDS_ACTION, PLAN_REWRITE, PlanCall
-from kvpatch.safepath import is_link, read_regular
-from kvpatch.state import declined_key, load, sha256
+from kvpatch.checkout.safepath import is_link, read_regular
+from kvpatch.checkout.state import declined_key, load, sha256
 
 NOT_PATCHED = "not patched"
 PATCHED = "patched"

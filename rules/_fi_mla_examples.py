@@ -2,7 +2,7 @@
 (rules/fi_mla_pool_cast.py, KVP101; rules/fi_mla_plan_kv_dtype.py, KVP102):
 hand-written, shaped like SGLang's FlashInfer MLA backend (not SGLang code)."""
 
-from kvpatch.codegen import IMPORT_LINE
+from kvpatch.rewrite.codegen import IMPORT_LINE
 
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
 RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports

@@ -1,7 +1,7 @@
 """Example sources for KVP103's VALID/INVALID examples (rules/page_table_pool_cast.py):
 hand-written, shaped like the SGLang backends the rule rewrites (not SGLang code)."""
 
-from kvpatch.codegen import IMPORT_LINE
+from kvpatch.rewrite.codegen import IMPORT_LINE
 
 RT = IMPORT_LINE + "\n\n"  # what apply adds at the top of a file with no imports
 

@@ -23,10 +23,10 @@ from typing import Optional
 
 import libcst as cst
 
-from kvpatch.candidates import PlanCandidate
-from kvpatch.codegen import RUNTIME_ALIAS, argument_call_text, replace_arg_builder, wrap_arg_builder
-from kvpatch.initattr import keep_runner_attr
-from kvpatch.match import UnitContext, attr_call, simple_expr
+from kvpatch.analysis.candidates import PlanCandidate
+from kvpatch.rewrite.codegen import RUNTIME_ALIAS, argument_call_text, replace_arg_builder, wrap_arg_builder
+from kvpatch.rewrite.initattr import keep_runner_attr
+from kvpatch.analysis.match import UnitContext, attr_call, simple_expr
 from kvpatch.names import KV_CACHE_DTYPE
 from kvpatch.rule import Decision, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
 from kvpatch.sites import PLAN_PATCHED, PLAN_REWRITE, PLAN_UNSUPPORTED

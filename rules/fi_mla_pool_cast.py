@@ -17,11 +17,11 @@ from typing import List, Optional
 
 import libcst as cst
 
-from kvpatch.candidates import CastCandidate
-from kvpatch.classify import other_values
-from kvpatch.codegen import RUNTIME_ALIAS, cast_builder, star_kwargs_builder
-from kvpatch.match import UnitContext, consumer_names, is_mla_run
-from kvpatch.stable import differs_at
+from kvpatch.analysis.candidates import CastCandidate
+from kvpatch.analysis.classify import other_values
+from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder, star_kwargs_builder
+from kvpatch.analysis.match import UnitContext, consumer_names, is_mla_run
+from kvpatch.analysis.stable import differs_at
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid, emitted_call, refuse_unless_plain_cast
 from kvpatch.sites import HOT, UNSUPPORTED
 

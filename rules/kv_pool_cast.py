@@ -13,10 +13,10 @@ from typing import Optional
 
 import libcst as cst
 
-from kvpatch.candidates import CastCandidate
-from kvpatch.classify import dead_result
-from kvpatch.match import Consumer, UnitContext, consumer_names, describe, is_mla_run
-from kvpatch.tensorops import PAGED_KEYWORDS
+from kvpatch.analysis.candidates import CastCandidate
+from kvpatch.analysis.classify import dead_result
+from kvpatch.analysis.match import Consumer, UnitContext, consumer_names, describe, is_mla_run
+from kvpatch.analysis.tensorops import PAGED_KEYWORDS
 from kvpatch.rule import Decision, Invalid, Rule, Upstream, Valid
 from kvpatch.sites import FIXED_UPSTREAM, GATHERED, HOT, UNSUPPORTED
 

@@ -23,13 +23,13 @@ from typing import List, Optional, Tuple
 
 import libcst as cst
 
-from kvpatch.candidates import CastCandidate
-from kvpatch.codegen import RUNTIME_ALIAS, cast_builder, lambda_tuple
-from kvpatch.match import Consumer, UnitContext, consumer_names
-from kvpatch.pagedcall import (PAGED_KERNELS, RAGGED_KERNELS, RAGGED_LAYOUT, PagedArgs, bind_paged, closure_tables,
+from kvpatch.analysis.candidates import CastCandidate
+from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder, lambda_tuple
+from kvpatch.analysis.match import Consumer, UnitContext, consumer_names
+from kvpatch.analysis.pagedcall import (PAGED_KERNELS, RAGGED_KERNELS, RAGGED_LAYOUT, PagedArgs, bind_paged, closure_tables,
                                is_cache_arg, kernel_name, kw, walk)
-from kvpatch.stable import differs_at
-from kvpatch.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
+from kvpatch.analysis.stable import differs_at
+from kvpatch.analysis.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Upstream, Valid, emitted_call, refuse_unless_plain_cast
 from kvpatch.sites import HOT, UNSUPPORTED
 
@@ -55,7 +55,7 @@ def _page_dim(view: cst.Call) -> Optional[cst.BaseExpression]:
 
 
 def paged_call(c: Consumer) -> bool:
-    """The cast reaches a page-table kernel as one of its caches (kvpatch.pagedcall)."""
+    """The cast reaches a page-table kernel as one of its caches (kvpatch.analysis.pagedcall)."""
     return c.kind == "call" and c.call is not None and is_cache_arg(c.call, c.keyword, c.arg_index)
 
 
@@ -321,7 +321,7 @@ class FlashAttentionBackend:
 
 def _positional_pages(cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
     """Why a kernel that takes a page table positionally, and whose signature is not
-    among the known paged kernels (kvpatch.pagedcall.PAGED_KERNELS), keeps its cast."""
+    among the known paged kernels (kvpatch.analysis.pagedcall.PAGED_KERNELS), keeps its cast."""
     guard = f" {cand.guard_note}." if cand.guard_note else ""
     for c in cand.consumers:
         if c.kind == "call" and c.call is not None and kernel_name(c.call) in RAGGED_KERNELS:

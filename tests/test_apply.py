@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FI_MLA, REPO, git, tree_hashes
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.runtime import RUNTIME_FILENAME
 
 GOLDEN = REPO / "tests" / "golden" / "flashinfer_mla_backend.patched.py"
@@ -127,7 +127,7 @@ def test_no_commit_writes_files_only(example_git):
 
 def test_refused_file_leaves_everything_original(example, monkeypatch):
     """A rewrite that fails its compile check is reported and nothing is written."""
-    from kvpatch import rewrite
+    from kvpatch.rewrite import transform as rewrite
 
     def broken(*a, **k):
         raise rewrite.RewriteError("forced failure")

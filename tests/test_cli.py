@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from conftest import FI_MLA, tree_hashes
 from kvpatch import __version__
-from kvpatch.cli import main
-from kvpatch.report import JSON_SCHEMA
+from kvpatch.cli.commands import main
+from kvpatch.output.report import JSON_SCHEMA
 
 COMMANDS = ["audit", "apply", "revert", "recover", "status", "rules", "verify", "test", "config"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -166,7 +166,7 @@ def test_codemod_never_imports_torch(example):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom kvpatch.cli import main\n"
+    code = ("import sys\nfrom kvpatch.cli.commands import main\n"
             "for argv in (['audit', sys.argv[1]], ['apply', '--dry-run', sys.argv[1]]):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "bad = [m for m in ('torch', 'triton', 'git') if m in sys.modules]\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from test_plugin import RULE as REWRITING_RULE
 
 # test_plugin's scratch rule, report-only (its INVALID example expects no rewrite).

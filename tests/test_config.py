@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from conftest import FI_MLA, git, tree_hashes
 from kvpatch import config
-from kvpatch.cli import main
-from kvpatch.exitcodes import EXIT_ERROR
+from kvpatch.cli.commands import main
+from kvpatch.output.exitcodes import EXIT_ERROR
 from kvpatch.rule import RULES_PATH_ENV
 from test_plugin import BACKEND, REL, RULE
 

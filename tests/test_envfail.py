@@ -31,9 +31,9 @@ from click.testing import CliRunner
 
 import kvpatch as kvpatch_pkg
 from conftest import EXAMPLE, FI_MLA, git, git_init, tree_hashes
-from kvpatch.cli import main
-from kvpatch.git import GitError
-from kvpatch.state import STATE_DIR
+from kvpatch.cli.commands import main
+from kvpatch.checkout.git import GitError
+from kvpatch.checkout.state import STATE_DIR
 
 FA3 = "python/sglang/srt/layers/attention/flashattention_backend.py"
 ATTN = FI_MLA.rsplit("/", 1)[0]
@@ -311,7 +311,7 @@ def test_an_unwritable_directory_is_refused_like_an_unwritable_file_also_for_roo
 def test_the_environment_is_told_from_kvpatchs_own_bugs(exc, env, example, monkeypatch):
     def boom(*a, **k):
         if exc == "EnvFailure":
-            from kvpatch.envfail import EnvFailure
+            from kvpatch.checkout.envfail import EnvFailure
 
             raise EnvFailure("/x/out: cannot write the output; nothing was written")
         raise exc

@@ -1,5 +1,5 @@
 """Exit codes that mean one thing (issue 10, items 10-11): the README table and every
-command's --help come from kvpatch.exitcodes; a crash is exit 2, never 1; a partial
+command's --help come from kvpatch.output.exitcodes; a crash is exit 2, never 1; a partial
 apply is exit 5."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from conftest import EXAMPLE, FI_MLA, REPO
 from kvpatch import engine
-from kvpatch.cli import main
-from kvpatch.exitcodes import EXIT_ERROR, EXIT_PARTIAL, WHAT, markdown_table
+from kvpatch.cli.commands import main
+from kvpatch.output.exitcodes import EXIT_ERROR, EXIT_PARTIAL, WHAT, markdown_table
 
 
 def run(*args):

@@ -24,14 +24,16 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXAMPLE, git, git_init
-from kvpatch import gittxn, revert, write
+from kvpatch import revert
+from kvpatch.checkout import gittxn
+from kvpatch.checkout import write
 from kvpatch import patch as P
-from kvpatch.cli import main
-from kvpatch.gittxn import BRANCH_PREFIX, HEADS
-from kvpatch.state import STATE_DIR, STATE_FILE
+from kvpatch.cli.commands import main
+from kvpatch.checkout.gittxn import BRANCH_PREFIX, HEADS
+from kvpatch.checkout.state import STATE_DIR, STATE_FILE
 from kvpatch.names import JOURNAL_FILE
-from kvpatch.safepath import tmp_path
-from kvpatch.write import CRASH_ENV, GIT_KEY, TXN_DIR
+from kvpatch.checkout.safepath import tmp_path
+from kvpatch.checkout.write import CRASH_ENV, GIT_KEY, TXN_DIR
 
 INTERRUPTED = "interrupted"
 # Git hooks run inside the commit step: one that kills the command's process

@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXAMPLE, FI_MLA, git, git_init, tree_hashes
-from kvpatch import checkout
+from kvpatch.checkout import repo
 from kvpatch import patch as P
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.runtime import RUNTIME_FILENAME, runtime_source
-from kvpatch.state import STATE_DIR
+from kvpatch.checkout.state import STATE_DIR
 
 RUNTIME = FI_MLA.rsplit("/", 1)[0] + "/" + RUNTIME_FILENAME
 HOOK_SAYS = "codespell-hook: _kvpatch_runtime.py:1: teh ==> the"
@@ -74,7 +74,7 @@ def test_a_failing_hook_on_apply_leaves_everything_as_before_and_shows_its_outpu
     expected = planned(example_git)
     r = run("apply", "--no-verify", example_git)
     assert r.exit_code == 0, r.output
-    assert git(example_git, "symbolic-ref", "--short", "HEAD").startswith(checkout.BRANCH_PREFIX)
+    assert git(example_git, "symbolic-ref", "--short", "HEAD").startswith(repo.BRANCH_PREFIX)
     assert FI_MLA in expected and committed_files(example_git) == expected
 
 
@@ -138,14 +138,14 @@ def test_revert_of_an_older_apply_that_committed_kvpatch_removes_it_from_git(exa
 
 def test_the_branch_is_named_as_the_readme_says(example_git):
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert f"`{checkout.BRANCH_PREFIX}v<sglang version>-<7-character sha>`" in readme
-    assert f"`{checkout.BRANCH_PREFIX}<10-character sha>`" in readme
+    assert f"`{repo.BRANCH_PREFIX}v<sglang version>-<7-character sha>`" in readme
+    assert f"`{repo.BRANCH_PREFIX}<10-character sha>`" in readme
     sha = git(example_git, "rev-parse", "HEAD")
     assert run("apply", "--no-commit", example_git).exit_code == 0  # the versioned form
-    info = checkout.git_info(example_git)
-    assert checkout.branch_name(info, example_git) == f"{checkout.BRANCH_PREFIX}v0.0.0.kvpatch-example-{sha[:7]}"
+    info = repo.git_info(example_git)
+    assert repo.branch_name(info, example_git) == f"{repo.BRANCH_PREFIX}v0.0.0.kvpatch-example-{sha[:7]}"
     (example_git / VERSION_PY).write_text('__version__ = "0.0.0.dev0"\n')  # a setuptools-scm fallback
-    assert checkout.branch_name(info, example_git) == f"{checkout.BRANCH_PREFIX}{sha[:10]}"
+    assert repo.branch_name(info, example_git) == f"{repo.BRANCH_PREFIX}{sha[:10]}"
 
 
 # -- item 19: --allow-dirty commits kvpatch's own paths only ------------------------
@@ -309,7 +309,7 @@ def _git_access(path: Path) -> list:
 
 def test_kvpatch_git_is_the_only_module_that_runs_git():
     pkg = Path(__file__).resolve().parents[1] / "kvpatch"
-    one = pkg / "git.py"
-    assert _git_access(one)  # the check can see an access: kvpatch.git imports GitPython
+    one = pkg / "checkout" / "git.py"
+    assert _git_access(one)  # the check can see an access: kvpatch.checkout.git imports GitPython
     others = {p.relative_to(pkg).as_posix(): _git_access(p) for p in sorted(pkg.rglob("*.py")) if p != one}
     assert {rel: hits for rel, hits in others.items() if hits} == {}

@@ -24,7 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FI_MLA, REPO, git
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 
 EXAMPLE = REPO / "examples" / "sglang"
 RUNTIME = FI_MLA.rsplit("/", 1)[0] + "/_kvpatch_runtime.py"
@@ -82,11 +82,11 @@ def n_writes(root: Path) -> int:
     """How many replacements a first apply of root makes (counted from the patch it would write)."""
     from kvpatch import patch as P
 
-    from kvpatch import checkout
+    from kvpatch.checkout import repo
 
     built = P.build(root)
     # Original copies only where git does not have the originals (a clean git tree has them all).
-    copies = 0 if checkout.git_info(root) is not None else len(built.rewrites)
+    copies = 0 if repo.git_info(root) is not None else len(built.rewrites)
     return copies + len(built.rewrites) + len(built.runtimes) + 1  # + rewrites + runtimes + state.json
 
 

@@ -263,9 +263,9 @@ def test_refused_with_dry_run_and_on_a_dirty_tree_before_any_question(tree_git):
 
 def test_changes_pair_linked_rules_and_split_the_rest(tree):
     """The grouping itself: linked rules (PAIRS_WITH / NEEDS_ALL) in one file are one change."""
-    from kvpatch import choose
+    from kvpatch.rewrite import choose
     from kvpatch.engine import analyze_source
-    from kvpatch.rewrite import plan_rewrite
+    from kvpatch.rewrite.transform import plan_rewrite
     from kvpatch.rule import load_rules
 
     rules = load_rules()
@@ -286,9 +286,9 @@ def test_hunks_after_the_hidden_import_are_numbered_without_it(tree):
     line numbers must not count its lines (a consistent diff of the file without it)."""
     import re
 
-    from kvpatch import choose
+    from kvpatch.rewrite import choose
     from kvpatch.engine import analyze_source
-    from kvpatch.rewrite import plan_rewrite
+    from kvpatch.rewrite.transform import plan_rewrite
     from kvpatch.rule import load_rules
 
     rules = load_rules()

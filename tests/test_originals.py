@@ -9,10 +9,10 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from conftest import FI_MLA, git, tree_hashes
-from kvpatch.cli import main
-from kvpatch.exitcodes import EXIT_ERROR
-from kvpatch.originals import copy_path
-from kvpatch.state import ORIGINALS, STATE_DIR, STATE_FILE, sha256
+from kvpatch.cli.commands import main
+from kvpatch.output.exitcodes import EXIT_ERROR
+from kvpatch.checkout.originals import copy_path
+from kvpatch.checkout.state import ORIGINALS, STATE_DIR, STATE_FILE, sha256
 
 COPIES = f"{STATE_DIR}/{ORIGINALS}"
 STATE = f"{STATE_DIR}/{STATE_FILE}"

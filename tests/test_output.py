@@ -8,8 +8,8 @@ import shutil
 
 from click.testing import CliRunner
 
-from kvpatch.cli import Out, main
-from kvpatch.cli_out import CLEAR_LINE
+from kvpatch.cli.commands import Out, main
+from kvpatch.cli.out import CLEAR_LINE
 
 
 def run(*args):
@@ -57,7 +57,7 @@ def test_json_kernel_holds_no_markdown(example):
 
 
 def test_long_reasons_wrap_to_the_width_with_an_indent(example):
-    from kvpatch import report
+    from kvpatch.output import report
     from kvpatch.engine import scan_tree
 
     scan = scan_tree(example)
@@ -99,7 +99,7 @@ def _head(args, lines: int, cwd):
 def test_color_always_into_head_leaves_the_terminal_clean(tmp_path, example):
     """`kvpatch --color always apply --dry-run | head`: every line head shows closes the
     colours it opens, and the cut pipe ends kvpatch quietly with 141, not a crash (2)."""
-    from kvpatch.exitcodes import EXIT_BROKEN_PIPE
+    from kvpatch.output.exitcodes import EXIT_BROKEN_PIPE
 
     attention = example / "python/sglang/srt/layers/attention"
     for i in range(6):  # six backend folders, six runtime diffs: more than a pipe buffer (64 KiB)
@@ -139,8 +139,9 @@ def test_apply_summary_gives_the_counts_after_apply(example):
 
 def test_apply_summary_after_a_declined_change_counts_it_hot(example):
     """apply -i: the declined change's site stays hot; the accepted ones are patched."""
-    from kvpatch import choose, patch as P
-    from kvpatch.report import applied_counts, apply_summary_line
+    from kvpatch import patch as P
+    from kvpatch.rewrite import choose
+    from kvpatch.output.report import applied_counts, apply_summary_line
 
     def ask(changes):  # the FA3 site (a change of its own) declined, everything else accepted
         no = {i for i, c in enumerate(changes) if c.rel.endswith("/flashattention_backend.py")}

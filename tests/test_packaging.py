@@ -83,6 +83,10 @@ def test_wheel_installs_rules_inside_the_package(tmp_path):
         z.extractall(tmp_path / "site")
     assert {f"kvpatch/rules/{n}" for n in RULE_FILES} <= names
     assert not any(n.startswith("rules/") for n in names)
+    # every module ships: the stage subpackages (setuptools lists packages by name) and the
+    # runtime's parts, which apply joins from the installed package
+    ours = {f.relative_to(REPO).as_posix() for f in (REPO / "kvpatch").rglob("*.py")}
+    assert ours <= names, sorted(ours - names)
     got = _probe(tmp_path, tmp_path / "site")
     assert got["kvpatch"] == str(tmp_path / "site" / "kvpatch" / "__init__.py")
     assert got["ids"] == _expected_ids()

@@ -1,4 +1,4 @@
-"""kvpatch.pagedcall binds a page-table kernel call to its caches, table and lengths:
+"""kvpatch.analysis.pagedcall binds a page-table kernel call to its caches, table and lengths:
 by keyword (flash_attn_with_kvcache) or through a known signature (sgl-kernel's
 flash_mla_decode / flash_mla_prefill), and refuses a call that does not bind."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import libcst as cst
 import pytest
 
-from kvpatch.pagedcall import bind_paged, is_cache_arg
+from kvpatch.analysis.pagedcall import bind_paged, is_cache_arg
 
 
 def _call(code: str) -> cst.Call:

@@ -10,13 +10,13 @@ import textwrap
 
 from click.testing import CliRunner
 
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.rule import RULES_PATH_ENV
 
 RULE = '''
 import libcst as cst
 
-from kvpatch.codegen import RUNTIME_ALIAS
+from kvpatch.rewrite.codegen import RUNTIME_ALIAS
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid
 from kvpatch.sites import HOT
 

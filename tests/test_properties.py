@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from kvpatch.engine import analyze_source  # noqa: E402
-from kvpatch.rewrite import plan_rewrite  # noqa: E402
+from kvpatch.rewrite.transform import plan_rewrite  # noqa: E402
 from kvpatch.rule import load_rules  # noqa: E402
 
 RULES = load_rules()

@@ -301,7 +301,7 @@ def checkout(request) -> Path:
 def test_audit_runs_clean_and_fast(checkout):
     import jsonschema
 
-    from kvpatch.report import JSON_SCHEMA
+    from kvpatch.output.report import JSON_SCHEMA
 
     doc = audit(str(checkout))
     jsonschema.validate({k: v for k, v in doc.items() if not k.startswith("_")}, JSON_SCHEMA)

@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXAMPLE, FI_MLA, git, git_init, tree_hashes
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.runtime import RUNTIME_FILENAME
-from kvpatch.state import STATE_DIR, STATE_FILE
+from kvpatch.checkout.state import STATE_DIR, STATE_FILE
 
 RUNTIME = FI_MLA.rsplit("/", 1)[0] + "/" + RUNTIME_FILENAME
 STATE_REL = f"{STATE_DIR}/{STATE_FILE}"

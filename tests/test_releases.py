@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXAMPLE, FI_MLA, REPO, tree_hashes
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.engine import scan_tree
 from kvpatch.sites import PATCHED, PLAN_PATCHED
 

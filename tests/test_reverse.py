@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FI_MLA, git
-from kvpatch.cli import main
-from kvpatch.reverse import reverse_patch
+from kvpatch.cli.commands import main
+from kvpatch.rewrite.reverse import reverse_patch
 
 
 def run(*args):

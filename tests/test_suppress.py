@@ -8,7 +8,7 @@ import json
 from click.testing import CliRunner
 
 from conftest import FI_MLA
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 
 FA3 = "python/sglang/srt/layers/attention/flashattention_backend.py"
 FA3_CAST = "kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)"

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import REPO
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.engine import analyze_source
 from kvpatch.rule import load_rules
 from kvpatch.sites import GATHERED, HOT

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import git, tree_hashes
-from kvpatch.cli import main
+from kvpatch.cli.commands import main
 from kvpatch.upgrade.inventory import _excerpt, normalize_statement
 from kvpatch.upgrade.model import JSON_SCHEMA, SITE_CATEGORIES
 

@@ -15,12 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvpatch.runtime import TEMPLATE  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "sglang"
 GOLDEN = REPO / "tests" / "golden" / "flashinfer_mla_backend.patched.py"
-RUNTIME = REPO / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+RUNTIME = TEMPLATE  # the joined runtime source, as apply injects it (before its version stamp)
 BACKEND = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"
 RT_REL = str(Path(BACKEND).parent / "_kvpatch_runtime.py")
 
@@ -394,7 +395,7 @@ def test_originals_from_git_after_a_real_apply(tmp_path):
     """A git apply keeps no copies: verify reads the original from the recorded base, hash-checked."""
     from click.testing import CliRunner
 
-    from kvpatch.cli import main
+    from kvpatch.cli.commands import main
 
     root = tmp_path / "checkout"
     shutil.copytree(EXAMPLE, root)
@@ -424,10 +425,10 @@ def test_a_patched_file_no_driver_covers_is_named_not_verified(tmp_path):
     the verdict is PARTLY VERIFIED, the file is named, and the CLI exits 3."""
     from click.testing import CliRunner
 
-    from kvpatch.cli import main
+    from kvpatch.cli.commands import main
     from kvpatch.engine import analyze_source
-    from kvpatch.exitcodes import EXIT_UNVERIFIED
-    from kvpatch.rewrite import plan_rewrite
+    from kvpatch.output.exitcodes import EXIT_UNVERIFIED
+    from kvpatch.rewrite.transform import plan_rewrite
     from kvpatch.rule import load_rules
     from rules._page_table_examples import AITER_DECODE
 

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
-from kvpatch.cli import main  # noqa: E402
+from kvpatch.cli.commands import main  # noqa: E402
+from kvpatch.runtime import TEMPLATE  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from kvpatch.verify.fa3_reference import flash_attn_with_kvcache, merge_state_v2  # noqa: E402
 from test_releases import RELEASES_ENV, _release_root  # noqa: E402
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "data" / "fa3"
-RUNTIME = REPO / "kvpatch" / "runtime" / "kvpatch_runtime.py"
+RUNTIME = TEMPLATE  # the joined runtime source, as apply injects it (before its version stamp)
 FA3_REL = "sglang/srt/layers/attention/flashattention_backend.py"
 CHECKOUTS_ENV = "KVPATCH_SGLANG_CHECKOUTS"
 LOCAL_RELEASES = Path("/work/cache/releases")

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
-from kvpatch.cli import main  # noqa: E402
+from kvpatch.cli.commands import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from test_verify_fa3 import CASCADE_OMITTED, CHECKOUTS_ENV, LOCAL_HEAD, SHORT, failures_text  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
-from kvpatch.cli import main  # noqa: E402
+from kvpatch.cli.commands import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from kvpatch.verify.world import QUICK_SHAPES  # noqa: E402
 from test_releases import FI_MLA_IN_PACKAGE, RELEASES, RELEASES_ENV, _release_root  # noqa: E402

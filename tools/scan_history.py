@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpatch.engine import analyze_source  # noqa: E402
-from kvpatch.rewrite import RewriteError, plan_rewrite  # noqa: E402
+from kvpatch.rewrite.transform import RewriteError, plan_rewrite  # noqa: E402
 from kvpatch.rule import load_rules  # noqa: E402
 from kvpatch.sites import HOT, UNSUPPORTED  # noqa: E402
 

@@ -1,49 +1,101 @@
 """The runtime module kvpatch injects into a patched checkout.
 
-``kvpatch_runtime.py`` is shipped as a source file, never imported by kvpatch
-itself (it needs torch). ``apply`` copies it next to each patched backend as
-``_kvpatch_runtime.py``, stamped with the kvpatch version that wrote it.
+Its source is kept here as parts, one per job, joined in the order of PARTS into the one
+self-contained module ``apply`` writes next to each patched backend as
+``_kvpatch_runtime.py``, stamped with the kvpatch version that wrote it:
+
+    _modes      the head: docstring, imports, version, __all__, state, probes, mode()
+    _dispatch   the plan and run hooks a patched backend calls
+    _gather     the gathered cast (Triton, or the torch fallback)
+    _kernels    the Triton kernels, built on first CUDA use
+    _pages      the page cast (page tables: FA3/FA4, MUSA, XPU)
+    _reset      the test hooks
+
+fused.py (the fused FP8 MLA attention of issue 17) is not a part yet: it reads alone, and joins
+PARTS once a rewrite routes kernel calls to it.
+
+A part keeps what lies between its ``# -- joined from here --`` line (or its start) and
+its ``# -- joined up to here --`` line (or its end); what lies outside (a part's docstring,
+its imports of the other parts) only lets it read alone. A new part is one more entry
+in PARTS. The parts are never imported by kvpatch (they need torch).
 """
 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from kvpatch import __version__
 from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE, RUNTIME_VERSION_VAR
 
 # RUNTIME_FILENAME is re-exported: kvpatch/patch.py and the tests take it from here.
-__all__ = ["RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
+__all__ = ["PARTS", "RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
 
-_TEMPLATE = Path(__file__).with_name("kvpatch_runtime.py")
+PARTS = ("_modes", "_dispatch", "_gather", "_kernels", "_pages", "_reset")
+_HERE = Path(__file__).resolve().parent
+_FROM = "# -- joined from here --\n"
+_UP_TO = "# -- joined up to here --\n"
 _STAMP = re.compile(rf'^{KVPATCH_VERSION_VAR} = "[^"]*"$', re.M)
 _VERSION = re.compile(rf'^{RUNTIME_VERSION_VAR} = "([^"]*)"$', re.M)
 
 
-TEMPLATE = _TEMPLATE
+def _body(text: str) -> str:
+    """What a part contributes: between its 'joined from here' and 'joined up to here' lines."""
+    if _FROM in text:
+        text = text.split(_FROM, 1)[1]
+    return text.split(_UP_TO, 1)[0]
+
+
+@lru_cache(maxsize=None)
+def joined() -> str:
+    """The runtime source as injected, before the version stamp."""
+    return "".join(_body((_HERE / f"{part}.py").read_text(encoding="utf-8")) for part in PARTS)
+
+
+@lru_cache(maxsize=None)
+def _template() -> Path:
+    """The joined source as a real file (Triton reads a kernel's source from its file),
+    in a private directory removed when the process ends."""
+    import atexit
+    import shutil
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="kvpatch-runtime-"))
+    atexit.register(shutil.rmtree, where, True)
+    path = where / RUNTIME_FILENAME
+    path.write_text(joined(), encoding="utf-8")
+    return path
+
+
+def __getattr__(name: str):
+    # TEMPLATE: the joined runtime as a file, written on first use (tests and benchmarks
+    # read it, or run it in a subprocess).
+    if name == "TEMPLATE":
+        return _template()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_template(module_name: str = RUNTIME_MODULE):
-    """Import the shipped runtime source as a module (tests, benchmarks): it needs
+    """Import the joined runtime source as a module (tests, benchmarks): it needs
     torch, so it is never imported by kvpatch itself."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(module_name, _TEMPLATE)
+    spec = importlib.util.spec_from_file_location(module_name, _template())
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def runtime_source() -> str:
-    text = _TEMPLATE.read_text(encoding="utf-8")
+    text = joined()
     stamped, n = _STAMP.subn(f'{KVPATCH_VERSION_VAR} = "{__version__}"', text, count=1)
     if n != 1:
-        raise RuntimeError(f"{_TEMPLATE} has no {KVPATCH_VERSION_VAR} line to stamp")
+        raise RuntimeError(f"{_HERE / PARTS[0]}.py has no {KVPATCH_VERSION_VAR} line to stamp")
     return stamped
 
 
 def runtime_version(text: str = "") -> str:
     """The __kvpatch_runtime_version__ of a runtime source (ours by default)."""
-    m = _VERSION.search(text or _TEMPLATE.read_text(encoding="utf-8"))
+    m = _VERSION.search(text or joined())
     return m.group(1) if m else "unknown"

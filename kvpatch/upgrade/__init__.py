@@ -94,4 +94,4 @@ command (the CLI body).
 
 from kvpatch.upgrade.command import cli_audit
 
-__all__ = ["cli_audit"]  # kvpatch/cli.py calls upgrade.cli_audit
+__all__ = ["cli_audit"]  # kvpatch/cli/commands.py calls upgrade.cli_audit

@@ -6,14 +6,14 @@ import json
 import sys
 from pathlib import Path
 from typing import Optional
-from kvpatch import envfail
+from kvpatch.checkout import envfail
 from kvpatch.upgrade.flow import run_upgrade, upgrade_against
 from kvpatch.upgrade.model import EXIT_ERROR, UpgradeError
 from kvpatch.upgrade.render import render, summary_line, to_sarif
 
 # -- the command -------------------------------------------------------------------------
 def _check_tree(path: str, what: str) -> Path:
-    from kvpatch.discover import looks_like_sglang
+    from kvpatch.analysis.discover import looks_like_sglang
 
     p = Path(path)
     if not p.exists():

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvpatch import git
+from kvpatch.checkout import git
 from kvpatch.names import CANDIDATE_MARKERS, MLA_WRAPPER
-from kvpatch.safepath import UnsafePath, check_rel, create_new, inside
+from kvpatch.checkout.safepath import UnsafePath, check_rel, create_new, inside
 from kvpatch.upgrade.model import UpgradeError
 
 

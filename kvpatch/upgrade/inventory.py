@@ -8,7 +8,7 @@ import re
 import textwrap
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
-from kvpatch.locate import kv_tainted, reads_kv
+from kvpatch.analysis.locate import kv_tainted, reads_kv
 from kvpatch.names import CAST_TO, CAST_TYPE, DTYPE_CAST_METHODS, KV_GETTERS, MLA_PLAN_FUNCTIONS, PLAN_METHOD
 from kvpatch.upgrade.gitref import RefTree
 from kvpatch.upgrade.model import FunctionInfo, SOURCE_LINES

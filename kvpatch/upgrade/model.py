@@ -19,7 +19,7 @@ FIXED = FIXED_UPSTREAM  # the category has the site status's name
 SITE_CATEGORIES = (UNMATCHED, NEW, CHANGED, FIXED, REPLACED, REMOVED, MOVED, UNCHANGED)
 PLAN_CATEGORIES = (UNMATCHED, NEW, CHANGED, REPLACED, REMOVED, MOVED, UNCHANGED)
 
-from kvpatch.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK  # noqa: E402,F401 - re-exported
+from kvpatch.output.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK  # noqa: E402,F401 - re-exported
 
 _ACTION = NEEDS_ACTION
 _HANDLED = (PATCHED,)
@@ -160,7 +160,7 @@ class Tree:
     scan: ScanResult
 
     def to_dict(self) -> Dict:
-        from kvpatch.report import summary_counts
+        from kvpatch.output.report import summary_counts
 
         return {"root": self.display, "ref": self.ref, "commit": self.commit,
                 "files_scanned": self.scan.files_scanned, "candidate_files": self.scan.candidates,

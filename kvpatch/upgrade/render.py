@@ -225,7 +225,7 @@ def to_sarif(up: Upgrade) -> str:
     rules = [{"id": i, "name": n, "shortDescription": {"text": d},
               "defaultConfiguration": {"level": "error" if i in ("KVU003", "KVU004") else "warning"}}
              for i, n, d in _SARIF_RULES]
-    from kvpatch.report import sarif_document
+    from kvpatch.output.report import sarif_document
 
     return sarif_document(rules, results, notes, up.new.root,
                                  {"old": up.old.display, "new": up.new.display, "exit_code": up.exit_code})

@@ -1,5 +1,5 @@
 """`python -m kvpatch.verify ARGS` is `kvpatch verify ARGS`: one CLI, one set of
-option names (kvpatch/cli.py), not a second front end."""
+option names (kvpatch/cli/commands.py), not a second front end."""
 
 from __future__ import annotations
 

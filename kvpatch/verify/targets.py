@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from kvpatch import git
-from kvpatch.safepath import UnsafePath, inside, is_link, read_regular
+from kvpatch.checkout import git
+from kvpatch.checkout.safepath import UnsafePath, inside, is_link, read_regular
 from kvpatch.names import RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
 from kvpatch.names import STATE_DIR, STATE_FILE
-from kvpatch.originals import OriginalError, copy_path
-from kvpatch.originals import read as read_original
-from kvpatch.state import check_commit
+from kvpatch.checkout.originals import OriginalError, copy_path
+from kvpatch.checkout.originals import read as read_original
+from kvpatch.checkout.state import check_commit
 
 STATE = f"{STATE_DIR}/{STATE_FILE}"
 

@@ -1,0 +1,303 @@
+"""Fused FP8 MLA attention against the bf16 kernel, today's gather path and the byte floor.
+
+Per layer, CUDA-graph replays (median of triton.testing.do_bench, L2 flushed), on an
+FP8 pool of 495,552 slots (1,048,576 for 64 x 8k), rows scattered over the pool:
+
+  bf16    FlashInfer's BatchMLAPagedAttentionWrapper on a bf16 pool (bf16 KV, no cast):
+          the kernel a user of bf16 KV runs; every ratio below is against it.
+  gather  today's patched path: the runtime's page-gathered cast + the same bf16 kernel.
+  fused   the runtime's fused_mla: the FP8 rows read in place through kv_indices.
+  (auto, KVPATCH_MODE=auto's pick per shape, is not measured yet: no dispatch routes a
+  kernel call to the fused path so far.)
+  floor   the FP8 bytes the kernel must read (rows x 576 B) at the copy rate measured
+          in the same run (a 1 GiB device-to-device copy, read + write).
+
+Numerics in the same run: the worst output vector's error against an fp32 reference on
+the same rows, for fused and for the bf16 kernel, and fused bit-identical across replays.
+Also the #35291 step (61 layers, 4 x 4k, 131,072 slots, each layer its own pool) and the
+eager host time per call against a plain torch op.
+
+    python benchmarks/bench_fused.py [--sweep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import ROOT, copy_bandwidth, load_runtime, make_pool  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from kvpatch.verify.fused_reference import fused_reference  # noqa: E402
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+CKV, KPE, ROW = 512, 64, 576
+SM_SCALE = 1.0 / math.sqrt(192)
+
+CASES_16 = [(1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192)]
+CASES_128 = [(8, 4096), (32, 4096)]
+CASES_VERIFY = [(8, 4096, 4), (32, 4096, 4), (8, 4096, 8), (32, 4096, 8)]
+
+
+def fused_module(rt):
+    if hasattr(rt, "fused_mla"):
+        return rt
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kvpatch", "runtime", "fused.py")
+    spec = importlib.util.spec_from_file_location("_kvpatch_fused_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def batch(slots, bs, ctx, heads, tq, gen):
+    total = bs * ctx
+    perm = torch.randperm(slots, device="cuda", generator=gen)[:total].to(torch.int32)
+    kv_indptr = torch.arange(0, bs + 1, device="cuda", dtype=torch.int32) * ctx
+    qo_indptr = torch.arange(0, bs + 1, device="cuda", dtype=torch.int32) * tq
+    kv_lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn((bs * tq, heads, ROW), device="cuda", dtype=BF16, generator=gen)
+    return dict(perm=perm, kv_indptr=kv_indptr, qo_indptr=qo_indptr, kv_lens=kv_lens,
+                q_nope=q[..., :CKV], q_pe=q[..., CKV:], qn_c=q[..., :CKV].contiguous(),
+                qp_c=q[..., CKV:].contiguous(), rows=total, bs=bs, tq=tq, heads=heads)
+
+
+def graph_ms(fn, reps=40):
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return do_bench(g.replay, warmup=5, rep=reps, return_mode="median")
+
+
+def fi_wrapper(ws, b, rt=None, kv_dtype=BF16):
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    bs = b["bs"]
+    w = BatchMLAPagedAttentionWrapper(
+        ws, use_cuda_graph=True,
+        qo_indptr=torch.empty(bs + 1, dtype=torch.int32, device="cuda"),
+        kv_indptr=torch.empty(bs + 1, dtype=torch.int32, device="cuda"),
+        kv_indices=torch.empty(b["rows"], dtype=torch.int32, device="cuda"),
+        kv_len_arr=torch.empty(bs, dtype=torch.int32, device="cuda"), backend="auto")
+    w._kvpatch_kv_dtype = kv_dtype
+    indptr = b["kv_indptr"] if rt is None else rt.plan_rows(w, b["kv_indptr"])
+    w.plan(b["qo_indptr"], indptr, b["perm"], b["kv_lens"], b["heads"], CKV, KPE, 1,
+           b["tq"] > 1, SM_SCALE, BF16, kv_dtype)
+    return w
+
+
+def worst_err(out, ref):
+    o, r = out.float().reshape(-1, CKV), ref.reshape(-1, CKV)
+    return float(((o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-6)).max())
+
+
+def measure(rt, fz, ws, pool, pool_bf16, b, bw, cfg=None, paths=("bf16", "gather", "fused"), check=True):
+    """{path: us} plus numerics for one shape."""
+    res = {"rows": b["rows"], "floor_us": b["rows"] * ROW / bw * 1e6}
+    outs = {}
+    for path in paths:
+        out = torch.empty((b["bs"] * b["tq"], b["heads"], CKV), dtype=BF16, device="cuda")
+        if path == "bf16":
+            w = fi_wrapper(ws, b)
+            fn = lambda w=w, out=out: w.run(b["qn_c"], b["qp_c"], pool_bf16[:, :, :CKV], pool_bf16[:, :, CKV:], out=out)
+        elif path == "gather":
+            w = fi_wrapper(ws, b, rt)
+            fn = lambda w=w, out=out: w.run(b["qn_c"], b["qp_c"], *_split(rt.kv_for_kernel(pool, w, BF16)), out=out)
+        else:
+            fn = lambda out=out: fz.fused_mla(b["q_nope"], b["q_pe"], pool, out, SM_SCALE, kv_indptr=b["kv_indptr"],
+                                              kv_indices=b["perm"], q_per_request=b["tq"], causal=b["tq"] > 1,
+                                              config=cfg)
+        res[path + "_us"] = graph_ms(fn) * 1e3
+        outs[path] = out.clone()
+        if path == "fused":
+            fn()
+            res["fused_deterministic"] = bool(torch.equal(out, outs["fused"]))
+    if "fused" in outs and check:
+        bs_check = min(b["bs"], 4)  # the reference on the first requests
+        nq = bs_check * b["tq"]
+        ref = fused_reference(b["q_nope"][:nq], b["q_pe"][:nq], pool, SM_SCALE,
+                                 lambda i: b["perm"][b["kv_indptr"][i]:b["kv_indptr"][i + 1]], b["tq"], b["tq"] > 1)
+        res["fused_err"] = worst_err(outs["fused"][:nq], ref)
+        if "bf16" in outs:
+            res["bf16_err"] = worst_err(outs["bf16"][:nq], ref)
+    return res
+
+
+def _split(kv):
+    return kv[:, :, :CKV], kv[:, :, CKV:]
+
+
+def _compiled_info(fz):
+    k = getattr(fz, "_fused_last", {}).get("split")
+    if k is None:
+        return ""
+    shared = getattr(getattr(k, "metadata", None), "shared", "?")
+    scratch = getattr(getattr(k, "metadata", None), "global_scratch_size", "?")
+    return (f"regs={getattr(k, 'n_regs', '?')} spills={getattr(k, 'n_spills', '?')} smem={shared} "
+            f"scratch={scratch}")
+
+
+def sweep(rt, fz, ws, pools, bw, gen):
+    """Launch configurations of the fused kernel on the shapes that set the targets."""
+    shapes = {"small": [(16, 32, 4096, 1), (16, 4, 4096, 1), (16, 8, 32768, 1)],
+              "large": [(128, 32, 4096, 1), (16, 32, 4096, 4), (16, 8, 4096, 8)]}
+    grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st)
+                      for bn in (32, 64) for nw in (4, 8) for st in (1, 2)],
+            "large": [dict(block_m=64, block_n=bn, num_warps=8, num_stages=st)
+                      for bn in (32, 64) for st in (1, 3)]}
+    best = {}
+    for bucket, cfgs in grid.items():
+        bs_list = [batch(pools[0].shape[0], bs, ctx, h, tq, gen) for h, bs, ctx, tq in shapes[bucket]]
+        scored = []
+        for base in cfgs:
+            try:
+                info = ""
+                for ctas in (2, 4, 8):
+                    cfg = dict(base, ctas_per_sm=ctas, min_split=128)
+                    ts = [measure(rt, fz, ws, pools[0], None, b, bw, cfg, paths=("fused",), check=False)["fused_us"]
+                          for b in bs_list]
+                    info = info or _compiled_info(fz)
+                    scored.append((sum(math.log(t) for t in ts), ts, cfg))
+                print(f"sweep {bucket} {base}: {info} best {min(x[1][0] for x in scored[-3:]):.1f} us", flush=True)
+            except Exception as exc:  # a config that does not compile (shared memory)
+                print(f"sweep {bucket} {base}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+        scored.sort(key=lambda x: x[0])
+        for _, ts, cfg in scored[:6]:
+            print(f"sweep {bucket} top: {' '.join(f'{t:7.1f}' for t in ts)} us  {cfg}", flush=True)
+        best[bucket] = scored[0][2] if scored else None
+    return best
+
+
+def host_time(rt, fz, gen):
+    """Eager host time per call (no sync inside the loop), against a plain torch op."""
+    pool = make_pool(65536, gen)
+    b = batch(65536, 1, 64, 16, 1, gen)
+    out = torch.empty((1, 16, CKV), dtype=BF16, device="cuda")
+    pt, sl = b["perm"].view(1, -1), b["kv_lens"]
+    small = torch.empty(1024, device="cuda")
+    calls = {
+        "torch add_ (baseline)": lambda: small.add_(1.0),
+        "torch pool.to(bf16)-sized cast of 64 rows": lambda: pool[:64].to(BF16),
+        "fused_mla": lambda: fz.fused_mla(b["q_nope"], b["q_pe"], pool, out, SM_SCALE,
+                                          kv_indptr=b["kv_indptr"], kv_indices=b["perm"]),
+        "kv_pages_for_kernel": lambda: rt.kv_pages_for_kernel(pool, BF16, 1, (pt, sl)),
+    }
+    res = {}
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        n = 300
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        res[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+    return res
+
+
+def step_35291(rt, fz, ws, bw, gen, layers=61):
+    """61 layers of decode attention, 4 x 4k on 131,072 slots: fused on FP8 vs bf16 kernel on bf16."""
+    slots = 131072
+    pools = [make_pool(slots, gen) for _ in range(layers)]
+    b = batch(slots, 4, 4096, 16, 1, gen)
+    out = torch.empty((4, 16, CKV), dtype=BF16, device="cuda")
+    fused = graph_ms(lambda: [fz.fused_mla(b["q_nope"], b["q_pe"], p, out, SM_SCALE, kv_indptr=b["kv_indptr"],
+                                           kv_indices=b["perm"]) for p in pools])
+    pools16 = [p.to(BF16) for p in pools]
+    w = fi_wrapper(ws, b)
+    bf16 = graph_ms(lambda: [w.run(b["qn_c"], b["qp_c"], p[:, :, :CKV], p[:, :, CKV:], out=out) for p in pools16])
+    floor = layers * b["rows"] * ROW / bw * 1e3
+    return {"fused_ms": fused, "bf16_ms": bf16, "floor_ms": floor}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="sweep the fused kernel's launch configurations first")
+    ap.add_argument("--only-sweep", action="store_true", help="the sweep alone")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fused: no CUDA device; this benchmark needs a GPU", file=sys.stderr)
+        return 2
+    import flashinfer
+
+    os.environ.setdefault("KVPATCH_MODE", "gather")
+    rt = load_runtime()
+    fz = fused_module(rt)
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}; flashinfer {flashinfer.__version__}; torch {torch.__version__}; "
+          f"copy {bw / 1e12:.2f} TB/s (read+write)", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    pool = make_pool(495552, gen)
+    report = {"copy_bw": bw}
+    if args.sweep or args.only_sweep:
+        report["sweep_best"] = sweep(rt, fz, ws, [pool], bw, gen)
+        print("sweep best:", report["sweep_best"], flush=True)
+        for bucket, cfg in report["sweep_best"].items():
+            if cfg:  # the table below runs with the sweep's best
+                fz.FUSED_TUNING[bucket] = cfg
+        if args.only_sweep:
+            return 0
+    pool16 = pool.to(BF16)
+    rows = []
+    shapes = ([(16, bs, ctx, 1) for bs, ctx in CASES_16] + [(128, bs, ctx, 1) for bs, ctx in CASES_128]
+              + [(16, bs, ctx, tq) for bs, ctx, tq in CASES_VERIFY])
+    for heads, bs, ctx, tq in shapes:
+        if bs * ctx > pool.shape[0]:
+            del pool16
+            pool = make_pool(1 << 20, gen)
+            pool16 = pool.to(BF16)
+        b = batch(pool.shape[0], bs, ctx, heads, tq, gen)
+        r = measure(rt, fz, ws, pool, pool16, b, bw)
+        r.update(heads=heads, bs=bs, ctx=ctx, tq=tq)
+        rows.append(r)
+        print(f"h={heads:<3} {bs:>3}x{ctx:<5} tq={tq} rows={r['rows']:>7}: bf16 {r['bf16_us']:7.1f} | gather "
+              f"{r['gather_us']:7.1f} | fused {r['fused_us']:7.1f} ({r['fused_us'] / r['bf16_us']:.2f}x bf16, "
+              f"{r['fused_us'] / r['floor_us']:.2f}x floor) | "
+              f"floor {r['floor_us']:6.1f} | err fused {r['fused_err']:.1e} bf16 {r['bf16_err']:.1e} "
+              f"det={r['fused_deterministic']}", flush=True)
+    report["rows"] = rows
+    del pool, pool16
+    torch.cuda.empty_cache()
+    report["host_us"] = host_time(rt, fz, gen)
+    for k, v in report["host_us"].items():
+        print(f"host {k:<45} {v:6.1f} us/call", flush=True)
+    report["step_35291"] = st = step_35291(rt, fz, ws, bw, gen)
+    print(f"#35291 step: fused {st['fused_ms']:.3f} ms, bf16 kernel {st['bf16_ms']:.3f} ms "
+          f"({st['fused_ms'] / st['bf16_ms']:.2f}x), floor {st['floor_ms']:.3f} ms", flush=True)
+    # The targets, from the same run.
+    t16 = [r for r in rows if r["heads"] == 16 and r["tq"] == 1]
+    fails = [f"16h {r['bs']}x{r['ctx']}: fused {r['fused_us'] / r['bf16_us']:.2f}x bf16"
+             for r in t16 if r["fused_us"] > (0.6 if r["rows"] >= 32768 else 1.0) * r["bf16_us"]]
+    fails += [f"128h {r['bs']}x{r['ctx']}: fused {r['fused_us'] / r['bf16_us']:.2f}x bf16"
+              for r in rows if r["heads"] == 128 and r["fused_us"] > r["bf16_us"]]
+    fails.append("auto: not measured (no dispatch yet)")
+    fails += [f"err {r['fused_err']:.1e} at {r['bs']}x{r['ctx']}" for r in rows if not r["fused_err"] < 1.5e-2]
+    if st["fused_ms"] >= st["bf16_ms"]:
+        fails.append("#35291 step not below the bf16 kernel step")
+    print("targets:", "PASS" if not fails else "MISS " + "; ".join(fails))
+    path = args.json or (os.path.join(os.environ["OUT"], "bench_fused.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(report, fh, indent=1)
+    return 0 if not fails else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""kvpatch runtime: what a patched SGLang MLA backend reads instead of a full-pool cast.
+
+SGLang's FlashInfer MLA backend casts the whole FP8 layer pool to the query dtype every
+layer, every step. This module either hands the FP8 pool straight to FlashInfer (when it
+can read FP8 MLA natively) or casts only the rows the planned wrapper reads into a
+persistent shadow buffer. Contract: docs/runtime.md of kvpatch.
+
+Self-contained on purpose: `kvpatch apply` copies it into the checkout as
+`_kvpatch_runtime.py`, so it imports only the standard library and torch (Triton lazily,
+on CUDA) and never kvpatch.
+"""
+
+import logging
+import math
+import os
+import re
+
+import torch
+
+__kvpatch_runtime_version__ = "2"
+__kvpatch_version__ = "0.1.0"
+
+__all__ = [
+    "mode",
+    "plan_kv_dtype",
+    "plan_rows",
+    "kv_for_kernel",
+    "kv_pages_for_kernel",
+    "ragged_pages",
+    "run_kwargs",
+    "gather_cast",
+    "page_cast",
+    "reset",
+    "poison_shadows",
+    "TUNING",
+]
+
+logger = logging.getLogger("kvpatch.runtime")
+
+_MODES = ("auto", "gather", "native", "off")
+# FlashInfer releases whose FP8 MLA plan is checked and correct, per backend.
+_FA3_MIN = (0, 6, 14)
+_FA2_MIN = (0, 6, 18)
+_FP8 = torch.float8_e4m3fn
+
+# Kernel launch constants; benchmarks/bench_gather.py sweeps them.
+TUNING = {
+    "block_rows": 16,
+    "num_warps": 4,
+    "programs_per_sm": 16,
+}  # best of the H200 sweep
+
+_requested = None  # KVPATCH_MODE as parsed
+_mode = None  # resolved mode
+_shadows = {}  # (device, shape, dtype) -> persistent shadow buffer
+_warned = set()
+_probe_cache = {}
+_kernel = None  # jitted Triton kernels, built on first CUDA use
+_page_kernel = None
+_triton_failed = set()  # launch keys whose compile failed (auto falls back to torch)
+
+
+def _warn_once(key, msg, *args):
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
+
+
+# ---------------------------------------------------------------------------
+# Probes: small so tests can monkeypatch them; cached because plan_kv_dtype runs on
+# every plan, also before each CUDA-graph replay.
+
+
+def _cuda_available():
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _flashinfer_version():
+    """The importable FlashInfer's version string, or None."""
+    if "fi_version" not in _probe_cache:
+        ver = None
+        try:
+            import flashinfer
+
+            ver = getattr(flashinfer, "__version__", None)
+        except Exception:
+            pass
+        if ver is None:
+            try:
+                from importlib import metadata
+
+                for dist in ("flashinfer-python", "flashinfer"):
+                    try:
+                        ver = metadata.version(dist)
+                        break
+                    except metadata.PackageNotFoundError:
+                        pass
+            except Exception:
+                pass
+        _probe_cache["fi_version"] = ver
+    return _probe_cache["fi_version"]
+
+
+def _device_capability(device):
+    """(major, minor) of a CUDA device, or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    key = ("cap", device.index)
+    if key not in _probe_cache:
+        try:
+            _probe_cache[key] = tuple(torch.cuda.get_device_capability(device))
+        except Exception:
+            _probe_cache[key] = None
+    return _probe_cache[key]
+
+
+def _sm_count(device):
+    device = torch.device(device)
+    key = ("sms", device.type, device.index)
+    if key not in _probe_cache:
+        n = 4  # CPU (Triton interpreter): a small grid still exercises the persistent loop
+        if device.type == "cuda":
+            n = torch.cuda.get_device_properties(device).multi_processor_count
+        _probe_cache[key] = n
+    return _probe_cache[key]
+
+
+_VERSION_RE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)(.*)$")
+
+
+def _parse_version(text):
+    """'0.6.18.post1' -> (0, 6, 18, 1); '0.7.0rc1' -> (0, 7, 0, 0); None if unparsable.
+
+    The last field is 1 for a final or post release and 0 for a pre/dev release, so a
+    pre-release sorts below its final release.
+    """
+    if not isinstance(text, str):
+        return None
+    m = _VERSION_RE.match(text.split("+", 1)[0])  # drop a local version (+cu128)
+    if not m:
+        return None
+    release = [int(p) for p in m.group(1).split(".")][:3]
+    release += [0] * (3 - len(release))
+    rest = m.group(2).lstrip(".-_").lower()
+    pre = rest.startswith(("a", "b", "c", "rc", "dev", "pre"))  # alpha, beta, rc, dev
+    return tuple(release) + (0 if pre else 1,)
+
+
+def _at_least(version, minimum):
+    return version is not None and version >= tuple(minimum) + (1,)
+
+
+# ---------------------------------------------------------------------------
+# Mode
+
+
+def _requested_mode():
+    raw = os.environ.get("KVPATCH_MODE", "auto")
+    value = raw.strip().lower() or "auto"
+    if value not in _MODES:
+        raise ValueError("KVPATCH_MODE=%r is not one of: %s" % (raw, ", ".join(_MODES)))
+    return value
+
+
+def _native_available():
+    return _cuda_available() and _at_least(
+        _parse_version(_flashinfer_version()), _FA3_MIN
+    )
+
+
+def _triton_available():
+    if "triton" not in _probe_cache:
+        try:
+            import triton  # noqa: F401
+
+            _probe_cache["triton"] = True
+        except Exception:
+            _probe_cache["triton"] = False
+    return _probe_cache["triton"]
+
+
+def mode():
+    """'native', 'gather' or 'off', resolved once per process from KVPATCH_MODE.
+
+    auto picks the faster path measured on an H200 (notes/gpu-runs.md): the fused
+    gathered cast (decode 1x4096 on a 495,552-slot pool: 27 us vs 53 us for FlashInfer
+    0.6.18's FP8 kernel). It picks native only on CUDA without Triton, where the
+    gather would be the slow torch fallback.
+    """
+    global _requested, _mode
+    if _mode is None:
+        requested = _requested_mode()
+        resolved = requested
+        if requested == "auto":
+            use_native = (
+                _cuda_available() and not _triton_available() and _native_available()
+            )
+            resolved = "native" if use_native else "gather"
+        elif requested == "native":
+            resolved = "native" if _native_available() else "gather"
+            if resolved == "gather":
+                # Old FlashInfer accepts an FP8 MLA plan unchecked and returns garbage.
+                logger.warning(
+                    "KVPATCH_MODE=native needs CUDA and FlashInfer >= %s (found %s); "
+                    "using the gathered cast",
+                    ".".join(map(str, _FA3_MIN)),
+                    _flashinfer_version(),
+                )
+        _requested, _mode = requested, resolved
+    return _mode
+# -- joined up to here --
+# The head of the runtime: its docstring, imports, version, __all__, state, probes and
+# mode(). kvpatch/runtime/__init__.py joins it with the parts that follow in PARTS and
+# drops these lines, which let this part read alone: __all__ names what they define.
+from kvpatch.runtime._dispatch import kv_for_kernel, plan_kv_dtype, plan_rows, run_kwargs
+from kvpatch.runtime._gather import gather_cast
+from kvpatch.runtime._pages import kv_pages_for_kernel, page_cast, ragged_pages
+from kvpatch.runtime._reset import poison_shadows, reset

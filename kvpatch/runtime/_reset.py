@@ -1,0 +1,32 @@
+"""A part of the kvpatch runtime: the test hooks (reset, poison_shadows).
+
+Not a module of its own: kvpatch/runtime/__init__.py joins the parts in the order of its
+PARTS into the one _kvpatch_runtime.py that apply injects, keeping only what follows the
+"joined from here" line. The parts share that one module's namespace (a `global` in one
+part rebinds a name another defines); the imports above the line only let a part read
+alone, and are dropped.
+"""
+
+from kvpatch.runtime._modes import _probe_cache, _shadows, _triton_failed, _warned
+
+# -- joined from here --
+
+
+# ---------------------------------------------------------------------------
+# Test hooks
+
+
+def reset():
+    """Drop the cached mode, probes, warnings and shadow buffers."""
+    global _requested, _mode
+    _requested = _mode = None
+    _shadows.clear()
+    _warned.clear()
+    _probe_cache.clear()
+    _triton_failed.clear()
+
+
+def poison_shadows(value=float("nan")):
+    """Fill every shadow buffer, so a row a gather missed cannot pass for a cast one."""
+    for buf in _shadows.values():
+        buf.fill_(value)

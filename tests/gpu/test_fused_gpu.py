@@ -1,0 +1,288 @@
+"""GPU tests of the fused FP8 MLA attention (kvpatch runtime), on a CUDA machine:
+
+    python3 -m pytest tests/gpu/test_fused_gpu.py
+
+Every output is compared with an fp32 reference over the same rows (the pool's FP8
+values widened exactly), with the output poisoned first. The tolerance is per output
+vector (one query token, one head: 512 values): |out - ref| / |ref| < REL_TOL. bf16
+operands, P rounded to bf16 and a bf16 output put that error near 4e-3 (FlashInfer's
+bf16 kernel lands at the same order: benchmarks/bench_fused.py prints both).
+
+The sabotage tests break one thing each (a wrong row, a stale length, a wrong scale,
+no causal mask) and assert that the same check fails. They use requests of at most a
+few hundred rows: one wrong row among N moves an output vector by about sqrt(2/N) of
+its norm, so below ~10k rows a single-row fault stands above bf16 noise, and the
+sabotage cases sit far below that.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the GPU tests need torch and a CUDA device")
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the fused attention's GPU tests need an NVIDIA GPU", allow_module_level=True)
+pytest.importorskip("triton", reason="triton not importable: the fused kernel cannot run")
+
+from kvpatch.runtime import load_template  # noqa: E402
+from kvpatch.verify.fused_reference import fused_reference  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+DEV = torch.device("cuda")
+REL_TOL = 1.5e-2  # per output vector; bf16-operand kernels land near 4e-3 against fp32
+RT = load_template("_kvpatch_runtime_fused_gpu")
+if not hasattr(RT, "fused_mla"):  # before the fused part joins the injected runtime
+    import importlib.util
+    from pathlib import Path
+
+    _spec = importlib.util.spec_from_file_location(
+        "_kvpatch_fused_gpu", Path(__file__).resolve().parents[2] / "kvpatch/runtime/fused.py")
+    RT = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(RT)
+
+
+def fp8_pool(slots, seed=0, page_size=None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    pool = (torch.randn((slots, 1, 576), device=DEV, generator=g) * 0.5).to(FP8)
+    if page_size:
+        return pool.view(slots // page_size, page_size, 1, 576)
+    return pool
+
+
+def queries(n_tok, heads, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn((n_tok, heads, 576), device=DEV, dtype=BF16, generator=g)
+    return q[..., :512], q[..., 512:]  # strided views, as SGLang splits q
+
+
+def rel_err(out, ref):
+    """The worst output vector's error relative to its reference norm."""
+    o, r = out.float().reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    return float(((o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-6)).max())
+
+
+def ok(out, ref):
+    return bool(torch.isfinite(out).all()) and rel_err(out, ref) < REL_TOL
+
+
+def indptr_batch(lens, slots, seed=2):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    total = int(sum(lens))
+    perm = torch.randperm(slots, device=DEV, generator=g)[:total].to(torch.int32)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=DEV)
+    indptr[1:] = torch.cumsum(torch.tensor(lens, device=DEV), 0)
+    return perm, indptr
+
+
+def table_batch(lens, n_pages, page_size, seed=3, width=None):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    width = width or max(-(-n // page_size) for n in lens)
+    pt = torch.randperm(n_pages, device=DEV, generator=g)[: len(lens) * width].view(len(lens), width)
+    return pt.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def rows_indptr(perm, indptr, ps=1):
+    def rows(b):
+        pages = perm[indptr[b] : indptr[b + 1]].long()
+        return (pages[:, None] * ps + torch.arange(ps, device=DEV)).reshape(-1)
+
+    return rows
+
+
+def rows_table(pt, lens, ps):
+    def rows(b):
+        j = torch.arange(int(lens[b]), device=DEV)
+        return pt[b, j // ps].long() * ps + j % ps
+
+    return rows
+
+
+def run(q_nope, q_pe, pool, **kw):
+    out = torch.full((q_nope.shape[0], q_nope.shape[1], 512), float("nan"), dtype=BF16, device=DEV)
+    RT.fused_mla(q_nope, q_pe, pool, out, 0.1, **kw)
+    return out
+
+
+@pytest.mark.parametrize("heads,tq", [(16, 1), (128, 1), (16, 4), (16, 8), (8, 2)])
+def test_indptr_rows_match_fp32_reference(heads, tq):
+    lens = [tq, 77, 4096, 513, 2000]  # a verify request holds at least its own draft tokens
+    pool = fp8_pool(40_000)
+    perm, indptr = indptr_batch(lens, 40_000)
+    qn, qp = queries(len(lens) * tq, heads)
+    out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=tq, causal=tq > 1)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), tq, tq > 1)
+    assert ok(out, ref), rel_err(out, ref)
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+@pytest.mark.parametrize("tq", [1, 4])
+def test_page_table_rows_match_fp32_reference(ps, tq):
+    lens = [5, 1000, 3000, 64, 129]
+    slots = 65_536
+    pool = fp8_pool(slots, page_size=ps if ps > 1 else None)
+    pt, sl = table_batch(lens, slots // ps, ps, width=3000 // ps + 3)
+    qn, qp = queries(len(lens) * tq, 16)
+    out = run(qn, qp, pool, page_table=pt, cache_seqlens=sl, page_size=ps, q_per_request=tq, causal=tq > 1)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps), tq, tq > 1)
+    assert ok(out, ref), rel_err(out, ref)
+
+
+def test_ragged_page_list_with_pages_of_16():
+    ps, lens_pages = 16, [3, 40, 1]
+    slots = 16 * 4096
+    pool = fp8_pool(slots, page_size=ps)
+    perm, indptr = indptr_batch(lens_pages, slots // ps)
+    qn, qp = queries(len(lens_pages), 16)
+    out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, page_size=ps)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr, ps))
+    assert ok(out, ref), rel_err(out, ref)
+
+
+def test_scales_as_float_and_device_tensor():
+    lens = [700, 1500]
+    pool = fp8_pool(10_000)
+    perm, indptr = indptr_batch(lens, 10_000)
+    qn, qp = queries(2, 16)
+    kpe = torch.tensor([1.5], device=DEV)
+    out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, ckv_scale=0.25, kpe_scale=kpe)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), ckv_scale=0.25, kpe_scale=1.5)
+    assert ok(out, ref), rel_err(out, ref)
+
+
+def test_deterministic_and_poison_outside_the_rows_read_never_leaks():
+    lens = [4096, 333, 2049]
+    pool = fp8_pool(30_000)
+    perm, indptr = indptr_batch(lens, 30_000)
+    read = torch.zeros(30_000, dtype=torch.bool, device=DEV)
+    read[perm.long()] = True
+    pool.view(torch.uint8)[~read] = 0x7F  # e4m3fn NaN in every byte of every unread row
+    qn, qp = queries(3, 16)
+    a = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm)
+    b = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm)
+    assert torch.isfinite(a).all()
+    assert torch.equal(a, b)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+    assert ok(a, ref), rel_err(a, ref)
+
+
+def test_out_of_pool_indices_are_skipped_not_read():
+    pool = fp8_pool(1000)
+    perm = torch.tensor([5, 999, 1000, 10**6, -1, 7], dtype=torch.int32, device=DEV)
+    indptr = torch.tensor([0, 6], dtype=torch.int32, device=DEV)
+    qn, qp = queries(1, 16)
+    out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm)
+    keep = perm[(perm >= 0) & (perm < 1000)]
+    ref = fused_reference(qn, qp, pool, 0.1, lambda b: keep)
+    assert ok(out, ref), rel_err(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["indptr", "table"])
+def test_graph_replays_with_more_and_fewer_rows_than_at_capture(mode):
+    slots, ps = 200_000, 1
+    pool = fp8_pool(slots)
+    cap = 8192
+    qn, qp = queries(4, 16)
+    out = torch.empty((4, 16, 512), dtype=BF16, device=DEV)
+    perm = torch.zeros(4 * cap, dtype=torch.int32, device=DEV)
+    indptr = torch.zeros(5, dtype=torch.int32, device=DEV)
+    pt = torch.zeros((4, cap), dtype=torch.int32, device=DEV)
+    sl = torch.zeros(4, dtype=torch.int32, device=DEV)
+
+    def write(lens, seed):
+        p, ip = indptr_batch(lens, slots, seed)
+        perm[: p.numel()] = p
+        indptr.copy_(ip)
+        t, s = table_batch(lens, slots, ps, seed, width=cap)
+        pt.copy_(t)
+        sl.copy_(s)
+
+    kw = dict(kv_indptr=indptr, kv_indices=perm) if mode == "indptr" else dict(page_table=pt, cache_seqlens=sl)
+    # The first capture of a process keeps ~1 KB of torch's own (the generators'
+    # graph state): take it before measuring what the captured call allocates.
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        pass
+    write([1000, 1000, 1000, 1000], 0)
+    RT.fused_mla(qn, qp, pool, out, 0.1, **kw)  # warm up: compile, scratch
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        RT.fused_mla(qn, qp, pool, out, 0.1, **kw)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before  # the captured call allocated nothing
+    for i, lens in enumerate(([8000, 20, 5000, 8192], [1, 1, 3, 2], [4096, 0, 7000, 9])):
+        write(lens, 10 + i)
+        out.fill_(float("nan"))
+        g.replay()
+        if mode == "indptr":
+            ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+        else:
+            ref = fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps))
+        live = torch.tensor([n > 0 for n in lens], device=DEV)
+        assert ok(out[live], ref[live]), (lens, rel_err(out[live], ref[live]))
+        del ref, live
+
+
+def test_no_host_sync_and_no_allocation_per_call():
+    pool = fp8_pool(50_000)
+    perm, indptr = indptr_batch([3000, 4000], 50_000)
+    qn, qp = queries(2, 16)
+    out = torch.empty((2, 16, 512), dtype=BF16, device=DEV)
+    RT.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            RT.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.cuda.memory_allocated() == before
+
+
+# Sabotage: each breaks one thing the kernel must get right; the check must fail.
+
+
+SABOTAGE_LENS = [200, 37, 256]
+
+
+def _case(tq=1):
+    pool = fp8_pool(60_000)
+    perm, indptr = indptr_batch(SABOTAGE_LENS, 60_000)
+    qn, qp = queries(len(SABOTAGE_LENS) * tq, 16)
+    return pool, perm, indptr, qn, qp
+
+
+def test_sabotage_wrong_row_fails_the_check():
+    pool, perm, indptr, qn, qp = _case()
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+    bad = perm.clone()
+    bad[100] = bad[100] + 1  # one row of request 0 read from the neighbouring slot
+    out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=bad)
+    assert not ok(out, ref)
+    assert ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm), ref)
+
+
+def test_sabotage_stale_length_fails_the_check():
+    pool, perm, indptr, qn, qp = _case()
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
+    # The lengths a graph captured at, replayed after the batch grew: requests 0 and 2
+    # read 64 and 128 rows where they now hold 200 and 256.
+    stale = torch.tensor([0, 64, 101, 229], dtype=torch.int32, device=DEV)
+    out = run(qn, qp, pool, kv_indptr=stale, kv_indices=perm)
+    assert not ok(out, ref)
+
+
+def test_sabotage_wrong_scale_fails_the_check():
+    pool, perm, indptr, qn, qp = _case()
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), ckv_scale=0.5)
+    assert not ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm), ref)
+    assert ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, ckv_scale=0.5), ref)
+
+
+def test_sabotage_missing_causal_mask_fails_the_check():
+    pool, perm, indptr, qn, qp = _case(tq=4)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), 4, True)
+    assert not ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=False), ref)
+    assert ok(run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=True), ref)

@@ -1,0 +1,113 @@
+"""The fused FP8 MLA attention on the CPU: its argument checks, its fp32 reference, and the
+kernel itself under Triton's interpreter where Triton is importable (it is not in CI's CPU
+install: those tests skip, saying so; tests/gpu/test_fused_gpu.py runs it on a GPU)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the fused attention's checks need torch")
+
+from kvpatch.verify.fused_reference import fused_reference  # noqa: E402
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_fused():
+    spec = importlib.util.spec_from_file_location("_kvpatch_fused_cpu", ROOT / "kvpatch/runtime/fused.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def case(slots=300, heads=4, lens=(37, 70), tq=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = (torch.randn((slots, 1, 576), generator=g) * 0.5).to(FP8)
+    perm = torch.randperm(slots, generator=g)[: sum(lens)].to(torch.int32)
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens), 0)
+    q = torch.randn((len(lens) * tq, heads, 576), generator=g).to(BF16)
+    return pool, perm, indptr, q[..., :512], q[..., 512:]
+
+
+def test_reference_is_softmax_attention_with_bottom_right_causal_mask_and_scales():
+    pool, perm, indptr, qn, qp = case()
+    ref = fused_reference(qn, qp, pool, 0.1, lambda b: perm[indptr[b]:indptr[b + 1]], 2, True, 0.5, 2.0)
+    kv = pool.view(-1, 576).float()
+    for b in range(2):
+        rows = kv[perm[indptr[b]:indptr[b + 1]].long()]
+        n = rows.shape[0]
+        for t in range(2):
+            seen = rows[: n - 2 + t + 1]  # query t of 2 sees positions <= n - 2 + t
+            for h in range(4):
+                qv = torch.cat([qn[b * 2 + t, h].float() * 0.5, qp[b * 2 + t, h].float() * 2.0])
+                w = torch.softmax((seen @ qv) * 0.1, 0)
+                want = w @ (seen[:, :512] * 0.5)
+                assert torch.allclose(ref[b * 2 + t, h], want, rtol=1e-4, atol=1e-5)
+
+
+def test_argument_checks_refuse_before_any_kernel():
+    fz = load_fused()
+    pool, perm, indptr, qn, qp = case(tq=2)
+    out = torch.empty((4, 4, 512), dtype=BF16)
+    with pytest.raises(ValueError, match="multiple of q_per_request"):
+        fz.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=3)
+    with pytest.raises(ValueError, match="576 wide"):
+        fz.fused_mla(qn[..., :256], qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=2)
+
+
+INTERPRET_SCRIPT = r"""
+import importlib.util, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from kvpatch.verify.fused_reference import fused_reference
+from tests.test_fused_cpu import case, load_fused
+
+fz = load_fused()
+cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_split=16)
+
+
+def err(out, ref):
+    return float(((out.float() - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+
+
+pool, perm, indptr, qn, qp = case()
+rows = lambda b: perm[indptr[b]:indptr[b + 1]]
+for causal in (True, False):
+    out = torch.full((4, 4, 512), float("nan"), dtype=torch.bfloat16)
+    fz.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=2,
+                 causal=causal, config=cfg, n_splits=3)
+    print("indptr", causal, err(out, fused_reference(qn, qp, pool, 0.1, rows, 2, causal)))
+# sabotage: no causal mask against the causal reference
+out = torch.empty((4, 4, 512), dtype=torch.bfloat16)
+fz.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=2, causal=False,
+             config=cfg, n_splits=3)
+print("nomask", err(out, fused_reference(qn, qp, pool, 0.1, rows, 2, True)))
+ps = 4
+pt = torch.randperm(300 // ps, generator=torch.Generator().manual_seed(5))[:40].view(2, 20).to(torch.int32)
+sl = torch.tensor([37, 70], dtype=torch.int32)
+fz.fused_mla(qn, qp, pool, out, 0.1, page_table=pt, cache_seqlens=sl, page_size=ps, q_per_request=2,
+             causal=True, ckv_scale=0.5, kpe_scale=torch.tensor([2.0]), config=cfg, n_splits=2)
+table_rows = lambda b: pt[b, torch.arange(int(sl[b])) // ps].long() * ps + torch.arange(int(sl[b])) % ps
+print("table", err(out, fused_reference(qn, qp, pool, 0.1, table_rows, 2, True, 0.5, 2.0)))
+"""
+
+
+def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_mask():
+    pytest.importorskip("triton", reason="Triton is not importable: the kernel's interpreter run needs it")
+    np = pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 3):
+        pytest.skip("Triton 3.6's interpreter fails on numpy >= 2.3 scalars; needs numpy < 2.3")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", INTERPRET_SCRIPT, str(ROOT)], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    errs = {(w[0], w[1] if len(w) == 3 else ""): float(w[-1]) for w in map(str.split, res.stdout.splitlines())}
+    assert errs[("indptr", "True")] < 1.5e-2 and errs[("indptr", "False")] < 1.5e-2, errs
+    assert errs[("table", "")] < 1.5e-2, errs
+    assert errs[("nomask", "")] > 1.5e-2, errs  # the check fails on a missing causal mask
