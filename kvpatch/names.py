@@ -55,6 +55,10 @@ JOURNAL_FILE = "journal.json"
 ORIGINALS = "originals"
 TXN_DIR = "txn"
 
+# How a scan names a file whose bytes it could not get (apply refuses the whole
+# apply over one: kvpatch/checkout/envfail.py).
+CANNOT_READ = "cannot read"
+
 # -- Folders never descended into: VCS data, caches, our own state, virtualenvs.
 DOT_GIT = ".git"
 SKIP_DIRS = frozenset({DOT_GIT, ".hg", ".svn", "__pycache__", STATE_DIR, ".tox", ".nox",

@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kvpatch import RULESET_VERSION, __version__
+from kvpatch.checkout import envfail
 from kvpatch.checkout import repo
 from kvpatch.rewrite import choose
 from kvpatch.checkout import originals
@@ -260,6 +261,9 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
            progress=None, patch: Optional[Patch] = None) -> ApplyResult:
     old_state, info = preflight(root, allow_dirty)
     patch = patch or build(root, select, jobs, progress)
+    unreadable = envfail.refuse_unreadable(patch.scan.all_errors)  # no silent partial apply (issue 18)
+    if unreadable:
+        raise PatchError(unreadable)
     if patch.empty:
         return ApplyResult(patch, [], None, None, info is not None, "nothing to do")
     if info is not None and allow_dirty and not no_commit:
@@ -287,10 +291,11 @@ def _apply(root: Path, *, select=None, allow_dirty=False, no_commit=False, no_ve
         branch = repo.branch_name(info, root)
         repo.create_branch(info, branch)
         try:
-            # The checkout's own files only: state.json lives in .kvpatch/
-            # (git-ignored); the originals are in git at the branch's base.
-            paths = [info.rel_to_repo(root, w.rel) for w in writes if not _is_state(w.rel)]
-            commit_sha = repo.commit(info, paths, commit_message(patch), no_verify)
+            # The checkout's files and the state record (issue 18: a clone or a
+            # `git clean -fdx` keeps it); the originals are in git at the branch's base.
+            record = [info.rel_to_repo(root, f"{STATE_DIR}/{STATE_FILE}")]
+            paths = [info.rel_to_repo(root, w.rel) for w in writes if not _is_state(w.rel)] + record
+            commit_sha = repo.commit(info, paths, commit_message(patch), no_verify, force=record)
         except BaseException:
             try:
                 repo.restore_branch(info, orig_branch, branch)

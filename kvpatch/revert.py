@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from kvpatch.checkout import recognise
 from kvpatch.checkout import repo
 from kvpatch.checkout import originals
 from kvpatch.rewrite import reverse
@@ -20,6 +21,8 @@ from kvpatch.checkout.guarded import (GIT_IGNORE, PatchError, _git_preflight, _g
 from kvpatch.names import STATE_DIR, STATE_FILE
 from kvpatch.checkout.safepath import read_regular
 from kvpatch.checkout.state import load, sha256
+
+STATE_REL = f"{STATE_DIR}/{STATE_FILE}"
 
 
 def original(root: Path, rel: str, copy: Optional[str], commit: Optional[str], want: Optional[str]) -> bytes:
@@ -56,12 +59,11 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
     _refuse_pending(root)
     st = load(root)
     if st is None:
-        raise PatchError(f"{root} has no {STATE_DIR}/{STATE_FILE}: it was not patched by kvpatch apply "
-                         f"(or the record was removed)")
+        raise PatchError(recognise.no_record(root, repo.git_info(root)))
     info = repo.git_info(root)
     if info is not None and not allow_dirty and not no_commit:
         tracked = {info.rel_to_repo(root, f.path) for f in st.files}
-        dirty = sorted(set(repo.dirty_paths(info, root)) - tracked)
+        dirty = sorted(set(repo.dirty_paths(info, root)) - tracked - {info.rel_to_repo(root, STATE_REL)})
         if dirty:
             raise PatchError(f"the git tree has uncommitted changes ({dirty[0]}...): commit or stash them, "
                              f"or pass --allow-dirty / --no-commit")
@@ -102,12 +104,18 @@ def _revert(root: Path, *, force=False, no_commit=False, allow_dirty=False, no_v
     writes.append(write.FileWrite(f"{STATE_DIR}/{STATE_FILE}", None))
     if (root / GIT_IGNORE).exists():
         writes.append(write.FileWrite(GIT_IGNORE, None))
-    if info is not None and not no_commit:
+    at_head = info is not None and recognise.head_has(info, root, writes)  # the user moved on (issue 18)
+    if at_head and not restored and not removed:
+        raise PatchError(recognise.nothing_here(info, st))
+    if info is not None and not no_commit and not at_head:
         _git_preflight(info)
     commit_sha = None
     notice = "" if info is not None else f"{repo.plain_reason(root)}: files restored in place, no commit"
     if info is not None and no_commit:
         notice = "--no-commit: files restored in place, no commit"
+    elif at_head:  # HEAD holds the originals: the patch was never committed here
+        no_commit, notice = True, "HEAD already holds the originals (the patch was not committed on it): " \
+                                  "files restored in place, no commit"
 
     def finish():
         nonlocal commit_sha

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from kvpatch.checkout import recognise
 from kvpatch.checkout import lock
 from kvpatch.checkout import write
 from kvpatch.engine import scan_tree
@@ -85,6 +86,9 @@ def _status(root: Path, select=None, excluded=None) -> Status:
 def _verdict(root: Path, st, scan) -> Status:
     fixable = [s for s in scan.sites if s.fixable] + [p for p in scan.plans if p.status == PLAN_REWRITE]
     if st is None:
+        unrec = recognise.unrecorded(scan, fixable)  # rewrites in the files: never "not patched" (issue 18)
+        if unrec is not None:
+            return Status(unrec[0], [Place(*p) for p in unrec[1]], unrec[2])
         if fixable:
             return Status(NOT_PATCHED, [Place(r.file, f"{r.qualname}: {r.status}", r.line) for r in fixable],
                           f"{len(fixable)} site(s) and plan call(s) that apply would rewrite")

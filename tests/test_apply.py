@@ -91,7 +91,8 @@ def test_apply_in_git_makes_branch_and_one_commit(example_git):
     assert "plan kv dtype" in msg and RUNTIME in msg
     files = git(example_git, "show", "--name-only", "--format=", "HEAD").splitlines()
     assert FI_MLA in files and RUNTIME in files
-    assert not [f for f in files if f.startswith(".kvpatch/")]  # out of the commit (issue 10 item 3)
+    # The originals stay out of the commit (issue 10 item 3); the record is in it (issue 18).
+    assert [f for f in files if f.startswith(".kvpatch/")] == [".kvpatch/state.json"]
 
     again = run("apply", example_git)
     assert "nothing to do" in again.output and git(example_git, "rev-parse", "HEAD") != head

@@ -53,9 +53,9 @@ def committed_files(repo: Path) -> list:
 
 
 def planned(tree: Path) -> list:
-    """The checkout files apply writes (rewritten files and runtimes), .kvpatch/ aside."""
+    """What apply commits: the rewritten files, the runtimes and the state record (issue 18)."""
     b = P.build(tree)
-    return sorted([r.rel for r in b.rewrites] + [rt.rel for rt in b.runtimes])
+    return sorted([r.rel for r in b.rewrites] + [rt.rel for rt in b.runtimes] + [f"{STATE_DIR}/state.json"])
 
 
 def make_repo(tree: Path) -> Path:
@@ -110,15 +110,15 @@ def test_hooks_run_and_the_commit_is_signed_as_configured(example_git, tmp_path)
     assert "-----BEGIN PGP SIGNATURE-----" in git(example_git, "cat-file", "commit", "HEAD")
 
 
-# -- item 3: .kvpatch/ stays out of the commit -----------------------------------
-def test_originals_and_state_stay_out_of_the_commit_and_the_tree_is_clean(example_git):
+# -- item 3: the originals stay out of the commit; the state record is in it (issue 18) ----
+def test_originals_stay_out_of_the_commit_the_record_is_in_it_and_the_tree_is_clean(example_git):
     upstream = git(example_git, "rev-parse", "HEAD")
     expected = planned(example_git)
     assert run("apply", example_git).exit_code == 0
     assert FI_MLA in expected and committed_files(example_git) == expected
-    assert not [p for p in git(example_git, "ls-files").splitlines() if p.startswith(STATE_DIR + "/")]
+    assert [p for p in git(example_git, "ls-files").splitlines() if p.startswith(STATE_DIR + "/")] == \
+        [f"{STATE_DIR}/state.json"]
     assert git(example_git, "status", "--porcelain", "--ignored=no") == ""
-    assert (example_git / STATE_DIR / "state.json").exists()  # kept, ignored, for status and revert
     assert run("revert", example_git).exit_code == 0
     assert git(example_git, "diff", upstream, "HEAD", "--stat") == ""
     assert not (example_git / STATE_DIR).exists()
@@ -130,7 +130,7 @@ def test_revert_of_an_older_apply_that_committed_kvpatch_removes_it_from_git(exa
     # What kvpatch <= 0.1 committed: .kvpatch/ as tracked files.
     (example_git / STATE_DIR / ".gitignore").unlink()
     git(example_git, "add", STATE_DIR)
-    git(example_git, "commit", "-qm", "old-style kvpatch state")
+    git(example_git, "commit", "-qm", "old-style kvpatch state", "--allow-empty")  # state.json: committed by apply now
     assert run("revert", example_git).exit_code == 0
     assert not [p for p in git(example_git, "ls-files").splitlines() if p.startswith(STATE_DIR + "/")]
     assert git(example_git, "status", "--porcelain") == ""

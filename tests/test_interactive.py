@@ -157,7 +157,7 @@ def test_in_git_one_commit_with_the_accepted_files_only(tree_git):
     assert rc == 0, out
     assert git(tree_git, "rev-list", "--count", f"{head}..HEAD") == "1"
     changed = git(tree_git, "diff", "--name-only", head, "HEAD").splitlines()
-    assert changed == [MUSA_RT, MUSA]  # the accepted site's file and its runtime, nothing else
+    assert changed == [".kvpatch/state.json", MUSA_RT, MUSA]  # the accepted site's file, its runtime, the record
     assert git(tree_git, "status", "--porcelain") == ""
     assert "declined" in git(tree_git, "log", "-1", "--format=%B")
     assert len(state(tree_git)["declined"]) == 1 + 1 + 5  # MUSA decode, FA3, FlashInfer MLA's 2 casts + 3 plans

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 from kvpatch.checkout import repo
-from kvpatch.names import CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
+from kvpatch.names import CANNOT_READ, CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
 from kvpatch.checkout.safepath import UnsafePath, is_link, read_regular
 
 # A KV-buffer read, or a site kvpatch already rewrote (plain substrings: `bytes in`
@@ -110,7 +110,7 @@ def read_candidate(root: Path, path: Path):
     except UnsafePath:
         return ReadError(rel, "not a regular file: skipped")
     except OSError as exc:
-        return ReadError(rel, f"cannot read: {exc.strerror or exc}")
+        return ReadError(rel, f"{CANNOT_READ}: {exc.strerror or exc}")
     if not is_candidate(data):
         return None
     return SourceFile(rel, path, data)

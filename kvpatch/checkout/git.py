@@ -38,6 +38,10 @@ class GitMissing(GitError):
     """git (or GitPython) is not installed."""
 
 
+class GitUnreadable(GitError):
+    """A .git is there but cannot be read: the checkout is refused, not taken as plain."""
+
+
 def _gitpython():
     try:
         import git  # GitPython: slow to import, so only when git is needed
@@ -155,9 +159,26 @@ def repo_at(root: Path):
         return None
     try:
         repo = git.Repo(root, search_parent_directories=True)
-    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError, PermissionError):
+        unreadable_git_dir(root)  # a .git kvpatch cannot read is refused, never taken for no git (issue 18)
         return None
     return None if repo.bare else repo
+
+
+def unreadable_git_dir(root: Path) -> None:
+    """GitError when the nearest .git at or above root exists but cannot be read."""
+    root = root.resolve()
+    dot = next((d / DOT_GIT for d in (root, *root.parents) if (d / DOT_GIT).exists()), None)
+    if dot is None:
+        return
+    need = os.R_OK | (os.X_OK if dot.is_dir() else 0)
+    try:
+        readable = os.access(dot, need) and (not dot.is_dir() or (os.listdir(dot) is not None))
+    except OSError:
+        readable = False
+    if not readable:
+        raise GitUnreadable(f"{dot} cannot be read (permission denied): refusing to treat {root} "
+                            f"as a plain directory (outside git)")
 
 
 def workdir(repo) -> Path:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from kvpatch.checkout import envfail
 from kvpatch.checkout import repo
 from kvpatch.checkout import gittxn
 from kvpatch.checkout import lock
@@ -41,6 +42,10 @@ def _write_and_commit(root: Path, writes: List[write.FileWrite], op: str, finish
         write.apply_writes(root, writes, op, before_finish=finish, git=git)
     except repo.GitError as exc:
         raise PatchError(f"git commit failed, every file was rolled back ({NO_VERIFY_HINT}):\n{exc}") from None
+    except write.WriteError as exc:  # read-only, immutable, unwritable folder: refused before any write
+        raise PatchError(f"{exc}; nothing was changed") from None
+    except OSError as exc:  # the disk failed mid-way (full, read-only, EIO): rolled back, or left to recover
+        raise PatchError(envfail.after_write(root, exc, write.pending(root) is not None)) from None
 
 
 def _is_state(rel: str) -> bool:

@@ -47,6 +47,10 @@ def _from_git(root: Path, rel: str, commit: str) -> bytes:
                             f"in a git repository")
     path = (root / rel).resolve().relative_to(git.workdir(repo).resolve()).as_posix()
     data = git.filtered(repo, commit, path)
+    if data is None and git.query(repo, "rev-parse", "--is-shallow-repository") == "true":
+        raise OriginalError(f"git has no {commit[:12]}:{path} (the original of {rel}): this is a shallow "
+                            f"clone without the kvpatch commit's parent; `git fetch --deepen=1` (or "
+                            f"--unshallow) fetches it")
     if data is None:
         raise OriginalError(f"git has no {commit[:12]}:{path} (the original of {rel}); "
                             f"was the commit removed?")

@@ -184,16 +184,20 @@ def create_branch(info: GitInfo, name: str) -> None:
     _git(info, "checkout", "-q", "-b", name)
 
 
-def commit(info: GitInfo, paths: List[str], message: str, no_verify: bool = False) -> str:
+def commit(info: GitInfo, paths: List[str], message: str, no_verify: bool = False, force: Iterable[str] = ()) -> str:
     """Commit exactly `paths` (repository-relative; present files are added,
     missing ones recorded as removed) with `git commit --only`, so the user's
     other staged changes stay staged and out of kvpatch's commit. Hooks,
     signing and identity are git's. On failure the index entries of `paths`
-    are put back as they were and GitError carries the hook's output."""
+    are put back as they were and GitError carries the hook's output. `force`:
+    those of `paths` that .kvpatch/'s own ignore file hides (the state record)."""
+    force = set(force)
     present = [p for p in paths if (info.workdir / p).exists()]
     try:
-        if present:
-            _git(info, "add", "--", *present)
+        if [p for p in present if p not in force]:
+            _git(info, "add", "--", *[p for p in present if p not in force])
+        if [p for p in present if p in force]:
+            _git(info, "add", "-f", "--", *[p for p in present if p in force])
         _git(info, "commit", "-q", "--only", "-m", message, *([NO_VERIFY] if no_verify else []), "--", *paths)
     except GitError:
         try:

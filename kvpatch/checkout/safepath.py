@@ -96,6 +96,9 @@ def create_new(path: Path, data: bytes, mode: Optional[int] = None) -> None:
         os.fsync(fd)
         if mode is not None:
             os.fchmod(fd, mode)
+    except OSError as exc:  # a full disk names the file it was writing (kvpatch/checkout/envfail.py)
+        exc.filename = exc.filename or os.fspath(path)
+        raise
     finally:
         os.close(fd)
 

@@ -26,6 +26,7 @@ from kvpatch.checkout.safepath import UnsafePath, inside, is_link, read_regular,
 
 from kvpatch.names import ORIGINALS, STATE_DIR, STATE_FILE
 SCHEMA = "kvpatch.state/1"
+MAX_STATE_BYTES = 64 << 20
 _COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 
 
@@ -135,6 +136,8 @@ def load(root: Path) -> Optional[State]:
     if not p.exists():
         return None
     try:
+        if p.stat().st_size > MAX_STATE_BYTES:  # committed (issue 18): a clone's record is read bounded
+            raise ValueError(f"larger than {MAX_STATE_BYTES} bytes")
         st = State.from_dict(json.loads(read_regular(p).decode("utf-8")))
         validate(root, st)
         return st

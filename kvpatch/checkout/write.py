@@ -50,7 +50,9 @@ class FileWrite:
 
 def preflight(root: Path, writes: List[FileWrite]) -> List[str]:
     """Reasons the writes cannot all be done; empty when they can."""
-    problems = []
+    problems, seen = [], set()
+    if hasattr(os, "statvfs") and os.statvfs(root).f_flag & os.ST_RDONLY:  # a read-only mount: one line
+        return [f"{root}: is on a read-only filesystem"]
     for d in (STATE_DIR, f"{STATE_DIR}/{TXN_DIR}"):
         if is_link(root / d):
             problems.append(f"{d}: is a symbolic link; kvpatch does not write through links")
@@ -66,10 +68,14 @@ def preflight(root: Path, writes: List[FileWrite]) -> List[str]:
         if p.exists():
             # The mode bits too: root may write anything, but a file made
             # read-only was made so on purpose.
-            if not os.access(p, os.W_OK) or not p.stat().st_mode & 0o222:
+            if not p.stat().st_mode & 0o222:
                 problems.append(f"{w.rel}: is read-only")
-        if not os.access(p.parent if p.parent.exists() else root, os.W_OK):
-            problems.append(f"{w.rel}: directory {p.parent} is not writable")
+            elif not os.access(p, os.W_OK):  # write bits, yet no write: an immutable file (chattr +i)
+                problems.append(f"{w.rel}: cannot be written (immutable, or not this user's to write)")
+        d = next(a for a in (p.parent, *p.parent.parents) if a.exists() or a == root)
+        if (not os.access(d, os.W_OK) or not d.stat().st_mode & 0o222) and f"{d}" not in seen:  # root too
+            seen.add(f"{d}")
+            problems.append(f"{w.rel}: directory {d} is not writable")
     return problems
 
 
@@ -256,7 +262,7 @@ def apply_writes(root: Path, writes: List[FileWrite], op: str,
     the index too."""
     problems = preflight(root, writes)
     if problems:
-        raise WriteError("; ".join(problems))
+        raise WriteError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     if pending(root) is not None:
         raise WriteError("an interrupted kvpatch write is pending: run `kvpatch recover` first")
     # SIGTERM interrupts like Ctrl-C from here on, staging included: a kill

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from kvpatch import __version__
+from kvpatch.checkout import envfail
 from kvpatch.cli.out import CONTEXT, Out, _check_rules, _root, _rules_opt
 from kvpatch.cli.out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
 from kvpatch.cli.out import _Main, _exit_help, apply_counts
@@ -66,7 +67,7 @@ def main(ctx, color, quiet, verbose):
 @click.argument("new_path", required=False, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="JSON output (schema kvpatch.audit/1, see README).")
 @click.option("--sarif", "as_sarif", is_flag=True, help="SARIF 2.1.0 output, for code scanning.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
+@click.option("-o", "--output", type=click.Path(dir_okay=False),  # an unwritable path: envfail, one line
               help="Write the JSON/SARIF/table to this file instead of stdout.")
 @click.option("--against", metavar="REF", help="Upgrade audit: compare with git REF of the same checkout.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=None, help=JOBS_HELP)
@@ -127,7 +128,7 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
         width = shutil.get_terminal_size().columns if not output and sys.stdout.isatty() else 0
         text = report.render_table(scan, plain if output else out.style, out.verbose, width)
     if output:
-        Path(output).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        envfail.write_output(Path(output), text)
     elif text:
         out.echo(text.rstrip("\n"))
     for e in scan.all_errors:
@@ -182,7 +183,7 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
     try:
         built = P.build(root, select, jobs, out.progress(), cfg.excluder(root), ask=ask)
     except Exception as exc:  # noqa: BLE001 - one line, not a traceback
-        out.error(f"{exc}")
+        out.error(envfail.line(exc, "apply", f"{exc}"))
         sys.exit(EXIT_ERROR)
     t_built, t_scan = time.perf_counter(), built.scan.seconds
     out.scanned(built.scan)
@@ -215,7 +216,7 @@ def apply(out: Out, path, dry_run, runtime_diff, allow_dirty, no_commit, no_veri
         out.error(str(exc))
         sys.exit(EXIT_ERROR)
     except Exception as exc:  # noqa: BLE001
-        out.error(f"apply failed, nothing was changed: {exc}")
+        out.error(envfail.line(exc, "apply", f"apply failed, nothing was changed: {exc}"))
         sys.exit(EXIT_ERROR)
     except KeyboardInterrupt:
         out.error("interrupted: every file was rolled back")
@@ -338,9 +339,10 @@ def _recover(out: Out, root: Path, dry_run: bool, write, refusals) -> None:
         out.info(f"kvpatch recover --dry-run: {len(steps)} step(s); nothing changed")
         sys.exit(EXIT_OK)
     try:
+        envfail.check_rollback(root, j)  # a read-only or immutable target: refused before touching any
         restored = write.rollback(root)
-    except (*refusals, OSError) as exc:
-        out.error(f"refusing to recover, nothing was touched: {exc}")
+    except (*refusals, OSError, envfail.EnvFailure) as exc:
+        out.error(envfail.line(exc, "recover", f"refusing to recover, nothing was touched: {exc}"))
         sys.exit(EXIT_ERROR)
     out.echo(f"rolled back {len(restored)} file(s): " + ", ".join(restored))
     out.info(f"kvpatch recover: rolled back the interrupted `kvpatch {j.get('op', '?')}`")

@@ -12,6 +12,7 @@ from typing import Optional
 
 import click
 
+from kvpatch.checkout import envfail
 from kvpatch.output.exitcodes import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_USER_INTERRUPT, WHAT
 
 CLEAR_LINE = "\r\x1b[K"  # carriage return, erase to the end of the line
@@ -101,6 +102,12 @@ class _Main(click.Group):
             ctx.exit(EXIT_USER_INTERRUPT)
         except Exception as exc:  # noqa: BLE001 - the one place a crash becomes an exit code
             verbose = getattr(ctx.obj, "verbose", 0)
+            env = envfail.describe(exc, ctx.invoked_subcommand)  # the machine's fault, not a crash (issue 18)
+            if env is not None:
+                if verbose:
+                    click.echo(traceback.format_exc(), err=True, nl=False)
+                click.echo(f"error: {env}", err=True)
+                ctx.exit(EXIT_ERROR)
             if verbose:
                 click.echo(traceback.format_exc(), err=True, nl=False)
             where = f" in `kvpatch {ctx.invoked_subcommand}`" if ctx.invoked_subcommand else ""

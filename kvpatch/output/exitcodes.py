@@ -23,14 +23,14 @@ WHAT = {
                           "scanned)"},
     "apply": {EXIT_OK: "applied, or nothing to do",
               EXIT_ERROR: "error or refusal: nothing written",
-              EXIT_PARTIAL: "applied to the files that are safe; the unreadable, unparseable or refused ones "
-                            "(named) were skipped",
+              EXIT_PARTIAL: "applied to the files that are safe; the unparseable or refused ones (named) were "
+                            "skipped (a file it cannot read refuses the whole apply: exit 2)",
               EXIT_USER_INTERRUPT: "interrupted: everything rolled back"},
     "revert": {EXIT_OK: "restored", EXIT_ERROR: "error or refusal (no record, drift without --force): "
                                                 "nothing changed",
                EXIT_USER_INTERRUPT: "interrupted: everything rolled back"},
-    "recover": {EXIT_OK: "rolled back, or nothing to do", EXIT_ERROR: "refused (an unsafe journal): nothing "
-                                                                      "touched",
+    "recover": {EXIT_OK: "rolled back, or nothing to do", EXIT_ERROR: "refused (an unsafe journal, a target it "
+                                                                      "cannot write): nothing touched",
                 EXIT_USER_INTERRUPT: "interrupted: run it again"},
     "status": {EXIT_OK: "patched (or nothing to patch)", EXIT_ACTION: "not patched, or partly patched",
                EXIT_ERROR: "error", EXIT_DRIFT: "drifted: a patched region was edited by hand",

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 from typing import Optional
+from kvpatch.checkout import envfail
 from kvpatch.upgrade.flow import run_upgrade, upgrade_against
 from kvpatch.upgrade.model import EXIT_ERROR, UpgradeError
 from kvpatch.upgrade.render import render, summary_line, to_sarif
@@ -62,7 +63,7 @@ def cli_audit(out, root: Path, new_path: Optional[str], against: Optional[str], 
         plain = lambda t, **k: t  # noqa: E731 - no colour in files
         text = render(up, plain if output else out.style, out.verbose)
     if output:
-        Path(output).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        envfail.write_output(Path(output), text)
     elif text:
         out.echo(text.rstrip("\n"))
     for t, e in up.errors:
