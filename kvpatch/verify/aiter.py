@@ -22,7 +22,7 @@ import types
 import torch
 
 from .aiter_reference import KERNEL_NAME
-from .fa3 import FA3Side, FA3Verifier, Layer, Meta
+from .fa3 import FA3Side, FA3Verifier, Layer, Meta, load_target
 from .fakes import EXTEND, Mode
 from .judge import FullPoolGuard
 from .report import CaseResult
@@ -145,21 +145,10 @@ class AiterVerifier(FA3Verifier):
 
 def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, find_runtime, redirect):
     """The aiter MHA-extend cases of one target file (``harness._verify_target``'s counterpart)."""
-    from .stubs import module_name_for
-
-    modname = module_name_for(t.rel)
-    patched_src = t.path.read_text(encoding="utf-8")
-    try:
-        omod = sandbox.load(modname, t.original, f"<original {t.original_from}>")
-        pmod = sandbox.load(modname, patched_src, str(t.path), runtime_path=str(t.runtime))
-    except Exception as exc:
-        report.errors.append(f"{t.rel}: cannot import in the verify sandbox: {type(exc).__name__}: {exc}")
+    loaded = load_target(t, sandbox, report, find_runtime, redirect)
+    if loaded is None:
         return
-    rt = find_runtime(pmod)
-    if rt is None:
-        report.errors.append(f"{t.rel}: the patched module holds no kvpatch runtime module")
-        return
-    redirect(omod, pmod)
+    omod, pmod, rt, patched_src = loaded
     gen = torch.Generator(device=world.device).manual_seed(1)
     pool = MHAPool(gen, world.device)
     mha = types.SimpleNamespace(device=world.device, store=pool.k, pool_ptr=pool.pool_ptr)  # a full copy: >= k

@@ -281,8 +281,9 @@ class FA3Verifier:
                    FA4)
 
 
-def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_runtime, redirect):
-    """The FA3 cases of one target file (``harness._verify_target``'s counterpart)."""
+def load_target(t, sandbox, report, find_runtime, redirect):
+    """(original module, patched module, runtime, patched source) of one target file, loaded in
+    the sandbox with the kernels redirected; None, with the error reported, when it cannot be."""
     from .stubs import module_name_for
 
     modname = module_name_for(t.rel)
@@ -292,12 +293,21 @@ def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_
         pmod = sandbox.load(modname, patched_src, str(t.path), runtime_path=str(t.runtime))
     except Exception as exc:
         report.errors.append(f"{t.rel}: cannot import in the verify sandbox: {type(exc).__name__}: {exc}")
-        return
+        return None
     rt = find_runtime(pmod)
     if rt is None:
         report.errors.append(f"{t.rel}: the patched module holds no kvpatch runtime module")
-        return
+        return None
     redirect(omod, pmod)
+    return omod, pmod, rt, patched_src
+
+
+def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_runtime, redirect):
+    """The FA3 cases of one target file (``harness._verify_target``'s counterpart)."""
+    loaded = load_target(t, sandbox, report, find_runtime, redirect)
+    if loaded is None:
+        return
+    omod, pmod, rt, patched_src = loaded
     try:
         orig = FA3Side("original", omod, f"<original {t.original_from}>", t.original, world.pool, world.device,
                        t.rel, t.cls)
