@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import linecache
 import os
 import sys
 import types
@@ -192,6 +193,11 @@ class _SourceLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         module.__file__ = self.filename
+        # An original is no file on disk ("<original ...>"): give linecache its lines, so that
+        # inspect.getsource works on what it defines. Triton's @jit reads its function's
+        # source that way, and refuses a module-level kernel without it (an FA3 backend of
+        # 2026-01 defines one).
+        linecache.cache[self.filename] = (len(self.source), None, self.source.splitlines(True), self.filename)
         exec(compile(self.source, self.filename, "exec", dont_inherit=True), module.__dict__)
 
 
