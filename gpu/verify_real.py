@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         {"elapsed_s": round(time.time() - t0, 1), "pool_slots": shapes.pool_slots,
          "reports": [r.to_dict() for r in reports]}, indent=2))
     (a.out / "verify_real.txt").write_text("\n\n".join(text) + "\n")
-    summary = ", ".join(f"{r.root}: {'OK' if r.ok else 'FAILED'}" for r in reports)
+    summary = ", ".join(f"{r.root}: {r.verdict}" for r in reports)
     log(f"done: {summary}; wrote {a.out}/verify_real.json")
     if not all(r.ok for r in reports):
         return 1

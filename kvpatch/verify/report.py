@@ -133,9 +133,12 @@ class VerifyReport:
     def render(self) -> str:
         return self.format()
 
+    @property
+    def verdict(self) -> str:
+        return "FAILED" if not self.ok else "PARTLY VERIFIED" if self.unverified else "OK"
+
     def format(self) -> str:
-        verdict = "FAILED" if not self.ok else "PARTLY VERIFIED" if self.unverified else "OK"
-        out = [f"kvpatch verify {self.root}: {verdict}"
+        out = [f"kvpatch verify {self.root}: {self.verdict}"
                f" (device={self.device or '-'}, kernel={self.kernel or '-'},"
                f" gpu_ran={self.gpu_ran})"]
         if self.cases:
