@@ -246,11 +246,15 @@ class FA3Verifier:
             if c.passed:
                 c.message = "page table, lengths and queries rewritten in place before the replay"
 
+    def selfcheck_forward(self):
+        """One small forward of the original, whose full-pool cast the guard must see."""
+        self.orig.forward(DECODE, self.new_case(16, [33, 7], [1, 1]))
+
     def guard_selfcheck(self):
         guard = FullPoolGuard(self.world.pool_ptr(), self.world.store.numel(), self.orig)
         try:
             with guard:
-                self.orig.forward(DECODE, self.new_case(16, [33, 7], [1, 1]))
+                self.selfcheck_forward()
         except Exception:
             return
         if not guard.hits:
