@@ -155,10 +155,17 @@ def sweep(rt, fz, ws, pools, bw, gen):
     """Launch configurations of the fused kernel on the shapes that set the targets."""
     shapes = {"small": [(16, 32, 4096, 1), (16, 4, 4096, 1), (16, 8, 32768, 1)],
               "large": [(128, 32, 4096, 1), (16, 32, 4096, 4), (16, 8, 4096, 8)]}
-    grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st)
-                      for bn in (32, 64) for nw in (4, 8) for st in (1, 2)],
-            "large": [dict(block_m=64, block_n=bn, num_warps=8, num_stages=st)
-                      for bn in (32, 64) for st in (1, 3)]}
+    # Configurations that compile to 0 spills for sm_90a (tools/fused_aot.py, no GPU needed);
+    # maxnreg caps registers so that 3 CTAs of 4 warps fit an SM.
+    # f16: f16 dots (q scaled by a power of two) against bf16 dots, one instruction fewer per FP8 value.
+    grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=f16)
+                      for bn, nw, st, reg, f16 in [(64, 4, 2, None, True), (64, 4, 2, None, False),
+                                                   (32, 4, 2, 168, True), (32, 4, 3, 168, True),
+                                                   (32, 4, 3, 168, False), (64, 8, 2, None, True)]],
+            "large": [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=f16)
+                      for bm, bn, nw, st, reg, f16 in [(16, 32, 4, 3, 168, True), (32, 32, 4, 2, None, True),
+                                                       (32, 32, 4, 2, None, False), (64, 64, 8, 3, None, True),
+                                                       (64, 32, 8, 2, None, True)]]}
     best = {}
     for bucket, cfgs in grid.items():
         bs_list = [batch(pools[0].shape[0], bs, ctx, h, tq, gen) for h, bs, ctx, tq in shapes[bucket]]
@@ -166,7 +173,7 @@ def sweep(rt, fz, ws, pools, bw, gen):
         for base in cfgs:
             try:
                 info = ""
-                for ctas in (2, 4, 8):
+                for ctas in (2, 3, 4):
                     cfg = dict(base, ctas_per_sm=ctas, min_split=128)
                     ts = [measure(rt, fz, ws, pools[0], None, b, bw, cfg, paths=("fused",), check=False)["fused_us"]
                           for b in bs_list]

@@ -30,6 +30,11 @@ for s in $steps; do
     fused_sweep) python3 benchmarks/bench_fused.py --only-sweep --json "$OUT/sweep_fused.json" 2>&1 | tee "$OUT/sweep_fused.log" ;;
     fused) python3 benchmarks/bench_fused.py --sweep --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     fused_table) python3 benchmarks/bench_fused.py --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
+    profile) for c in '{}' '{"f16": false}'; do
+               ncu --clock-control none -k regex:_fused_split --launch-skip 3 --launch-count 1 \
+                 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+                 --section WarpStateStats --section LaunchStats --section SchedulerStats \
+                 python3 gpu/profile_fused.py "$c" 2>&1 | tee -a "$OUT/profile_fused.log"; done ;;
     attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
     *) echo "unknown step $s" ;;
   esac

@@ -95,6 +95,11 @@ fz.fused_mla(qn, qp, pool, out, 0.1, page_table=pt, cache_seqlens=sl, page_size=
              causal=True, ckv_scale=0.5, kpe_scale=torch.tensor([2.0]), config=cfg, n_splits=2)
 table_rows = lambda b: pt[b, torch.arange(int(sl[b])) // ps].long() * ps + torch.arange(int(sl[b])) % ps
 print("table", err(out, fused_reference(qn, qp, pool, 0.1, table_rows, 2, True, 0.5, 2.0)))
+# q beyond f16's range (65504): the f16 dots take q scaled by a power of two
+big = 3.0e5
+fz.fused_mla(qn * big, qp * big, pool, out, 0.1 / big, kv_indptr=indptr, kv_indices=perm, q_per_request=2,
+             causal=True, config=cfg, n_splits=3)
+print("bigq", err(out, fused_reference(qn * big, qp * big, pool, 0.1 / big, rows, 2, True)))
 """
 
 
@@ -110,4 +115,5 @@ def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_m
     errs = {(w[0], w[1] if len(w) == 3 else ""): float(w[-1]) for w in map(str.split, res.stdout.splitlines())}
     assert errs[("indptr", "True")] < 1.5e-2 and errs[("indptr", "False")] < 1.5e-2, errs
     assert errs[("table", "")] < 1.5e-2, errs
+    assert errs[("bigq", "")] < 1.5e-2, errs  # nan (f16 overflow) without the power-of-two scaling
     assert errs[("nomask", "")] > 1.5e-2, errs  # the check fails on a missing causal mask

@@ -41,7 +41,7 @@ def _fused_bucket(m_rows):
 
 def _fused_build():
     # The helpers are module globals: Triton resolves the names a kernel calls there.
-    global _fused_kernels, _fused_rows, _fused_q
+    global _fused_kernels, _fused_rows, _fused_q, _fused_amax
     if _fused_kernels is not None:
         return _fused_kernels
     try:
@@ -52,18 +52,28 @@ def _fused_build():
         return _fused_kernels
 
     @triton.jit
-    def _fused_rows(row, cols, ok, DOT_F32: tl.constexpr):
-        x = tl.load(row + cols[None, :], mask=ok[:, None], other=0.0).to(tl.bfloat16)
+    def _fused_rows(row, cols, ok, DOT_F32: tl.constexpr, EVICT: tl.constexpr, F16: tl.constexpr):
+        x = tl.load(row + cols[None, :], mask=ok[:, None], other=0.0, eviction_policy=EVICT)
+        if F16:
+            x = x.to(tl.float16)  # one cvt.rn.f16x2.e4m3x2 per two values; bf16 takes a second cvt each
+        else:
+            x = x.to(tl.bfloat16)
         if DOT_F32:
             x = x.to(tl.float32)
         return x
 
     @triton.jit
-    def _fused_q(q, rows, cols, ok, DOT_F32: tl.constexpr):
+    def _fused_q(q, rows, cols, ok, scale, DOT_F32: tl.constexpr, F16: tl.constexpr):
         x = tl.load(q + rows + cols[None, :], mask=ok[:, None], other=0.0)
+        if F16:
+            x = (x.to(tl.float32) * scale).to(tl.float16)
         if DOT_F32:
             x = x.to(tl.float32)
         return x
+
+    @triton.jit
+    def _fused_amax(q, rows, cols, ok):
+        return tl.max(tl.max(tl.abs(tl.load(q + rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)), 1), 0)
 
     @triton.jit(do_not_specialize=["n_splits", "n_slots", "table_stride", "min_split"])
     def _fused_split_kernel(
@@ -98,11 +108,16 @@ def _fused_build():
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_F32: tl.constexpr,
+        F16: tl.constexpr,
     ):
         # The latent (D = 4 x C) is handled in four column chunks, each its own operand
         # and accumulator: a whole [BLOCK_N, 512] bf16 tile as one dot operand pinned
         # 255 registers a thread and one CTA per SM (H200 sweep, notes/gpu-runs.md).
-        # The PV chunks reload their rows (L1 hits) so one chunk is live at a time.
+        # The PV chunks reload their rows so one chunk is live at a time. The two loads of
+        # a chunk carry different eviction hints on purpose: identical loads are merged
+        # by CSE, which kept the four chunks live in registers from QK to PV (255 a
+        # thread, spills) and left them synchronous. Kept apart, each load has one dot
+        # as its user, and the pipeliner stages it through shared memory (cp.async).
         # DOT_F32: Triton's interpreter (CPU tests) multiplies bf16 operands as raw bits,
         # so there the dots take the same bf16 values widened to fp32.
         C: tl.constexpr = D // 4
@@ -131,12 +146,23 @@ def _fused_build():
         c = tl.arange(0, C)
         dp = tl.arange(0, DPE)
         qn_rows = qrow[:, None] * stride_qn_t + h[:, None] * stride_qn_h
-        q0 = _fused_q(q_nope, qn_rows, c, m_ok, DOT_F32)
-        q1 = _fused_q(q_nope, qn_rows, C + c, m_ok, DOT_F32)
-        q2 = _fused_q(q_nope, qn_rows, 2 * C + c, m_ok, DOT_F32)
-        q3 = _fused_q(q_nope, qn_rows, 3 * C + c, m_ok, DOT_F32)
-        qp = _fused_q(q_pe, qrow[:, None] * stride_qp_t + h[:, None] * stride_qp_h, dp, m_ok, DOT_F32)
+        qp_rows = qrow[:, None] * stride_qp_t + h[:, None] * stride_qp_h
         qk_scale = sm_scale * 1.4426950408889634
+        q_mul = 1.0
+        if F16:
+            # f16 dots: FP8 -> f16 is one instruction a pair, and f16 keeps more bits than
+            # bf16; q (bf16) may exceed f16's range, so it is scaled by a power of two that
+            # puts its largest value at most 2^15 (exact), and the scores are scaled back.
+            amax = tl.maximum(_fused_amax(q_nope, qn_rows, tl.arange(0, D), m_ok), _fused_amax(q_pe, qp_rows, dp, m_ok))
+            e = tl.ceil(tl.log2(tl.maximum(amax, 1e-30))).to(tl.int32) - 14
+            e = tl.minimum(tl.maximum(e, -100), 100)
+            q_mul = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, built exactly
+            qk_scale = qk_scale * ((127 + e) << 23).to(tl.float32, bitcast=True)
+        q0 = _fused_q(q_nope, qn_rows, c, m_ok, q_mul, DOT_F32, F16)
+        q1 = _fused_q(q_nope, qn_rows, C + c, m_ok, q_mul, DOT_F32, F16)
+        q2 = _fused_q(q_nope, qn_rows, 2 * C + c, m_ok, q_mul, DOT_F32, F16)
+        q3 = _fused_q(q_nope, qn_rows, 3 * C + c, m_ok, q_mul, DOT_F32, F16)
+        qp = _fused_q(q_pe, qp_rows, dp, m_ok, q_mul, DOT_F32, F16)
         ckv = 1.0
         if HAS_CKV_SCALE:
             ckv = tl.load(ckv_scale).to(tl.float32)
@@ -157,13 +183,13 @@ def _fused_build():
             slot = page * PS + pos % PS
             ok = ok & (slot >= 0) & (slot < n_slots)  # never read outside the pool
             row = kv + slot[:, None] * stride_kv
-            qk = tl.dot(q0, tl.trans(_fused_rows(row, c, ok, DOT_F32)))
-            qk = tl.dot(q1, tl.trans(_fused_rows(row, C + c, ok, DOT_F32)), qk)
-            qk = tl.dot(q2, tl.trans(_fused_rows(row, 2 * C + c, ok, DOT_F32)), qk)
-            qk = tl.dot(q3, tl.trans(_fused_rows(row, 3 * C + c, ok, DOT_F32)), qk)
+            qk = tl.dot(q0, tl.trans(_fused_rows(row, c, ok, DOT_F32, "evict_last", F16)))
+            qk = tl.dot(q1, tl.trans(_fused_rows(row, C + c, ok, DOT_F32, "evict_last", F16)), qk)
+            qk = tl.dot(q2, tl.trans(_fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_last", F16)), qk)
+            qk = tl.dot(q3, tl.trans(_fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_last", F16)), qk)
             if HAS_CKV_SCALE:
                 qk = qk * ckv
-            qpe = tl.dot(qp, tl.trans(_fused_rows(row, D + dp, ok, DOT_F32)))
+            qpe = tl.dot(qp, tl.trans(_fused_rows(row, D + dp, ok, DOT_F32, "evict_last", F16)))
             if HAS_KPE_SCALE:
                 qpe = qpe * kpe
             qk = (qk + qpe) * qk_scale
@@ -176,13 +202,16 @@ def _fused_build():
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            pb = p.to(tl.bfloat16)
+            if F16:
+                pb = p.to(tl.float16)
+            else:
+                pb = p.to(tl.bfloat16)
             if DOT_F32:
                 pb = pb.to(tl.float32)
-            acc0 = tl.dot(pb, _fused_rows(row, c, ok, DOT_F32), acc0 * alpha[:, None])
-            acc1 = tl.dot(pb, _fused_rows(row, C + c, ok, DOT_F32), acc1 * alpha[:, None])
-            acc2 = tl.dot(pb, _fused_rows(row, 2 * C + c, ok, DOT_F32), acc2 * alpha[:, None])
-            acc3 = tl.dot(pb, _fused_rows(row, 3 * C + c, ok, DOT_F32), acc3 * alpha[:, None])
+            acc0 = tl.dot(pb, _fused_rows(row, c, ok, DOT_F32, "evict_first", F16), acc0 * alpha[:, None])
+            acc1 = tl.dot(pb, _fused_rows(row, C + c, ok, DOT_F32, "evict_first", F16), acc1 * alpha[:, None])
+            acc2 = tl.dot(pb, _fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_first", F16), acc2 * alpha[:, None])
+            acc3 = tl.dot(pb, _fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_first", F16), acc3 * alpha[:, None])
             m_i = m_new
         seen = l_i > 0.0
         inv = ckv / tl.where(seen, l_i, 1.0)  # V is the latent: its scale scales the output
@@ -360,8 +389,10 @@ def fused_mla(
         BLOCK_M=block_m,
         BLOCK_N=cfg["block_n"],
         DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
+        F16=bool(cfg.get("f16", True)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     _fused_last["combine"] = combine_k[(batch * m_rows,)](
         part_o,

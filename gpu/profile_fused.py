@@ -1,0 +1,31 @@
+"""One fused-kernel shape to profile under ncu (gpu/run_all.sh step `profile`).
+
+    ncu --clock-control none -k regex:_fused_split --launch-skip 3 --launch-count 1 \
+        python3 gpu/profile_fused.py '{"block_n": 32, "maxnreg": 168}'
+
+32 x 4k rows at 16 heads on a 495,552-slot pool (the issue-17 shape that sets the target);
+the JSON argument overrides the launch configuration of the small bucket.
+"""
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_fused import batch, fused_module  # noqa: E402
+from bench_attention import make_pool  # noqa: E402
+
+cfg = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+gen = torch.Generator(device="cuda").manual_seed(0)
+fz = fused_module(object())
+pool = make_pool(495552, gen)
+b = batch(pool.shape[0], 32, 4096, 16, 1, gen)
+out = torch.empty((32, 16, 512), dtype=torch.bfloat16, device="cuda")
+for _ in range(5):
+    fz.fused_mla(b["q_nope"], b["q_pe"], pool, out, 1.0 / math.sqrt(192), kv_indptr=b["kv_indptr"],
+                 kv_indices=b["perm"], config=dict(fz.FUSED_TUNING["small"], **cfg))
+torch.cuda.synchronize()
+print("profiled", cfg)

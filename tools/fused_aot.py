@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Compile the fused FP8 MLA kernel for sm_90a here, with no GPU: registers, spills, shared memory.
+
+    python tools/fused_aot.py [--heads 16] [--tq 1] [--configs "BM,BN,WARPS,STAGES,MAXNREG;..."]
+
+Triton compiles ahead of time for a target it is told (GPUTarget("cuda", 90, 32)), and the
+ptxas that its wheel carries reports what the kernel uses; the occupancy follows (registers
+and shared memory per SM of an H100/H200). A configuration that spills, or fits fewer
+CTAs than planned, is found here before any device minute is spent. --dump DIR keeps the
+TTGIR and PTX of each configuration (is a load pipelined: async_copy_global_to_local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SM_REGS, SM_SMEM = 65536, 232448  # per SM on sm_90 (H100 / H200)
+TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", "lens": "*i32",
+         "part_o": "*fp32", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
+F16 = True
+DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
+
+
+def _fused():
+    spec = importlib.util.spec_from_file_location("_kvpatch_fused_aot", ROOT / "kvpatch" / "runtime" / "fused.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=1, BY_INDPTR=True, CAUSAL=tq > 1, HAS_CKV_SCALE=False,
+                 HAS_KPE_SCALE=False, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=False, F16=F16)
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
+    # What the launcher specialises on at run time: 16-byte aligned pointers and strides.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(k.asm["ptx"])
+        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(tmp) / "k.o")]
+        report = subprocess.run(cmd + (["--maxrregcount", str(maxnreg)] if maxnreg else []),
+                                capture_output=True, text=True).stderr
+    if dump:
+        tag = f"h{heads}_tq{tq}_bm{bm}_bn{bn}_w{warps}_s{stages}_r{maxnreg or 0}"
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        (Path(dump) / f"{tag}.ttgir").write_text(k.asm["ttgir"])
+        (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    smem = int(k.metadata.shared)
+    ctas = min(SM_REGS // (regs * 32 * warps), SM_SMEM // max(smem, 1))
+    pipelined = k.asm["ttgir"].count("async_copy_global_to_local")
+    return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--tq", type=int, default=1)
+    ap.add_argument("--configs", default=DEFAULT, help="BM,BN,WARPS,STAGES,MAXNREG (0: no cap); ';' between")
+    ap.add_argument("--dump", default=None)
+    args = ap.parse_args(argv)
+    try:
+        kernel = _fused()._fused_build()[0]
+    except TypeError:
+        print("fused_aot: Triton is not installed", file=sys.stderr)
+        return 2
+    for text in args.configs.split(";"):
+        bm, bn, warps, stages, reg = (int(x) for x in text.split(","))
+        r = compile_one(kernel, args.heads, args.tq, bm, bn, warps, stages, reg or None, args.dump)
+        print(f"heads {args.heads} tq {args.tq} block_m {bm} block_n {bn} warps {warps} stages {stages} "
+              f"maxnreg {reg or '-'}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared, "
+              f"{r['ctas_per_sm']} CTAs/SM, {r['async_copies']} pipelined loads", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
