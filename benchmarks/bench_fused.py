@@ -42,20 +42,14 @@ CKV, KPE, ROW = 512, 64, 576
 SM_SCALE = 1.0 / math.sqrt(192)
 
 CASES_16 = [(1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192)]
+CASES_8 = [(8, 4096), (32, 4096)]  # 8 heads a rank (TP16, or 64-head models at TP8)
 CASES_128 = [(8, 4096), (32, 4096)]
 CASES_VERIFY = [(8, 4096, 4), (32, 4096, 4), (8, 4096, 8), (32, 4096, 8)]
 
 
 def fused_module(rt):
-    if hasattr(rt, "fused_mla"):
-        return rt
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kvpatch", "runtime", "fused.py")
-    spec = importlib.util.spec_from_file_location("_kvpatch_fused_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The runtime itself: fused_mla is one of its parts."""
+    return rt
 
 
 def batch(slots, bs, ctx, heads, tq, gen):
@@ -262,8 +256,10 @@ def main(argv=None):
         if args.only_sweep:
             return 0
     pool16 = pool.to(BF16)
+    cap = tuple(torch.cuda.get_device_capability())
     rows = []
-    shapes = ([(16, bs, ctx, 1) for bs, ctx in CASES_16] + [(128, bs, ctx, 1) for bs, ctx in CASES_128]
+    shapes = ([(16, bs, ctx, 1) for bs, ctx in CASES_16] + [(8, bs, ctx, 1) for bs, ctx in CASES_8]
+              + [(128, bs, ctx, 1) for bs, ctx in CASES_128]
               + [(16, bs, ctx, tq) for bs, ctx, tq in CASES_VERIFY])
     for heads, bs, ctx, tq in shapes:
         if bs * ctx > pool.shape[0]:
@@ -273,10 +269,14 @@ def main(argv=None):
         b = batch(pool.shape[0], bs, ctx, heads, tq, gen)
         r = measure(rt, fz, ws, pool, pool16, b, bw)
         r.update(heads=heads, bs=bs, ctx=ctx, tq=tq)
+        # auto: the path the runtime's auto mode picks for this call shape on this GPU
+        # (FUSED_AUTO_ROWS), timed as that path in this run.
+        r["auto_path"] = "fused" if heads * tq <= rt.FUSED_AUTO_ROWS.get(cap, 0) else "gather"
+        r["auto_us"] = r[r["auto_path"] + "_us"]
         rows.append(r)
         print(f"h={heads:<3} {bs:>3}x{ctx:<5} tq={tq} rows={r['rows']:>7}: bf16 {r['bf16_us']:7.1f} | gather "
               f"{r['gather_us']:7.1f} | fused {r['fused_us']:7.1f} ({r['fused_us'] / r['bf16_us']:.2f}x bf16, "
-              f"{r['fused_us'] / r['floor_us']:.2f}x floor) | "
+              f"{r['fused_us'] / r['floor_us']:.2f}x floor) | auto {r['auto_us']:7.1f} ({r['auto_path']}) | "
               f"floor {r['floor_us']:6.1f} | err fused {r['fused_err']:.1e} bf16 {r['bf16_err']:.1e} "
               f"det={r['fused_deterministic']}", flush=True)
     report["rows"] = rows
@@ -294,7 +294,9 @@ def main(argv=None):
              for r in t16 if r["fused_us"] > (0.6 if r["rows"] >= 32768 else 1.0) * r["bf16_us"]]
     fails += [f"128h {r['bs']}x{r['ctx']}: fused {r['fused_us'] / r['bf16_us']:.2f}x bf16"
               for r in rows if r["heads"] == 128 and r["fused_us"] > r["bf16_us"]]
-    fails.append("auto: not measured (no dispatch yet)")
+    fails += [f"auto at {r['heads']}h {r['bs']}x{r['ctx']} tq={r['tq']}: {r['auto_us']:.1f} us, slower than "
+              f"{min(r['fused_us'], r['gather_us']):.1f}" for r in rows
+              if r["auto_us"] > 1.02 * min(r["fused_us"], r["gather_us"])]
     fails += [f"err {r['fused_err']:.1e} at {r['bs']}x{r['ctx']}" for r in rows if not r["fused_err"] < 1.5e-2]
     if st["fused_ms"] >= st["bf16_ms"]:
         fails.append("#35291 step not below the bf16 kernel step")

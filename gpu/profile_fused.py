@@ -15,12 +15,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench_fused import batch, fused_module  # noqa: E402
-from bench_attention import make_pool  # noqa: E402
+from bench_fused import batch  # noqa: E402
+from bench_attention import load_runtime, make_pool  # noqa: E402
 
 cfg = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
 gen = torch.Generator(device="cuda").manual_seed(0)
-fz = fused_module(object())
+fz = load_runtime()
 pool = make_pool(495552, gen)
 b = batch(pool.shape[0], 32, 4096, 16, 1, gen)
 out = torch.empty((32, 16, 512), dtype=torch.bfloat16, device="cuda")

@@ -2,7 +2,6 @@
 kernel itself under Triton's interpreter where Triton is importable (it is not in CI's CPU
 install: those tests skip, saying so; tests/gpu/test_fused_gpu.py runs it on a GPU)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_fused():
-    spec = importlib.util.spec_from_file_location("_kvpatch_fused_cpu", ROOT / "kvpatch/runtime/fused.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The injected runtime as apply writes it (its fused parts included)."""
+    from kvpatch.runtime import load_template
+
+    return load_template("_kvpatch_fused_cpu")
 
 
 def case(slots=300, heads=4, lens=(37, 70), tq=2, seed=0):

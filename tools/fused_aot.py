@@ -13,7 +13,6 @@ TTGIR and PTX of each configuration (is a load pipelined: async_copy_global_to_l
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import subprocess
 import sys
@@ -29,10 +28,10 @@ DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
 
 
 def _fused():
-    spec = importlib.util.spec_from_file_location("_kvpatch_fused_aot", ROOT / "kvpatch" / "runtime" / "fused.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(ROOT))
+    from kvpatch.runtime import load_template
+
+    return load_template("_kvpatch_fused_aot")
 
 
 def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):

@@ -17,8 +17,9 @@ import re
 
 import torch
 
+# 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "3"
+__kvpatch_runtime_version__ = "4"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
@@ -34,11 +35,16 @@ __all__ = [
     "reset",
     "poison_shadows",
     "TUNING",
+    "fused_mla",
+    "kv_for_routed_kernel",
+    "paged_attention",
+    "FUSED_TUNING",
+    "FUSED_AUTO_ROWS",
 ]
 
 logger = logging.getLogger("kvpatch.runtime")
 
-_MODES = ("auto", "gather", "native", "off")
+_MODES = ("auto", "fused", "gather", "native", "off")
 # FlashInfer releases whose FP8 MLA plan is checked and correct, per backend.
 _FA3_MIN = (0, 6, 14)
 _FA2_MIN = (0, 6, 18)
@@ -186,12 +192,14 @@ def _triton_available():
 
 
 def mode():
-    """'native', 'gather' or 'off', resolved once per process from KVPATCH_MODE.
+    """'fused', 'native', 'gather' or 'off', resolved once per process from KVPATCH_MODE.
 
-    auto picks the faster path measured on an H200 (notes/gpu-runs.md): the fused
-    gathered cast (decode 1x4096 on a 495,552-slot pool: 27 us vs 53 us for FlashInfer
-    0.6.18's FP8 kernel). It picks native only on CUDA without Triton, where the
-    gather would be the slow torch fallback.
+    auto picks the faster path measured on an H200 (notes/gpu-runs.md): for a FlashInfer
+    plan, the gathered cast (decode 1x4096 on a 495,552-slot pool: 27 us vs 53 us for
+    FlashInfer 0.6.18's FP8 kernel), native only on CUDA without Triton, where the gather
+    would be the slow torch fallback; for a routed kernel call, per call shape, the fused
+    FP8 attention where it was measured faster (FUSED_AUTO_ROWS), else the gather. fused
+    routes every call the fused attention can serve to it; gather never does.
     """
     global _requested, _mode
     if _mode is None:
@@ -202,6 +210,10 @@ def mode():
                 _cuda_available() and not _triton_available() and _native_available()
             )
             resolved = "native" if use_native else "gather"
+        elif requested == "fused":
+            resolved = "fused" if _cuda_available() and _triton_available() else "gather"
+            if resolved == "gather":
+                logger.warning("KVPATCH_MODE=fused needs CUDA and Triton; using the gathered cast")
         elif requested == "native":
             resolved = "native" if _native_available() else "gather"
             if resolved == "gather":
@@ -222,3 +234,5 @@ from kvpatch.runtime._dispatch import kv_for_kernel, plan_kv_dtype, plan_rows, r
 from kvpatch.runtime._gather import gather_cast
 from kvpatch.runtime._pages import kv_pages_for_kernel, page_cast, ragged_pages
 from kvpatch.runtime._reset import poison_shadows, reset
+from kvpatch.runtime._fused import FUSED_TUNING, fused_mla
+from kvpatch.runtime._route import FUSED_AUTO_ROWS, kv_for_routed_kernel, paged_attention

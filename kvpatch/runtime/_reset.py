@@ -8,6 +8,7 @@ alone, and are dropped.
 """
 
 from kvpatch.runtime._modes import _probe_cache, _shadow_users, _shadows, _triton_failed, _warned
+from kvpatch.runtime._route import _fused_failed
 
 # -- joined from here --
 
@@ -25,6 +26,7 @@ def reset():
     _warned.clear()
     _probe_cache.clear()
     _triton_failed.clear()
+    _fused_failed.clear()
 
 
 def poison_shadows(value=float("nan")):

@@ -32,14 +32,6 @@ FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 DEV = torch.device("cuda")
 REL_TOL = 1.5e-2  # per output vector; bf16- and f16-operand kernels land near 2e-3 to 4e-3 against fp32
 RT = load_template("_kvpatch_runtime_fused_gpu")
-if not hasattr(RT, "fused_mla"):  # before the fused part joins the injected runtime
-    import importlib.util
-    from pathlib import Path
-
-    _spec = importlib.util.spec_from_file_location(
-        "_kvpatch_fused_gpu", Path(__file__).resolve().parents[2] / "kvpatch/runtime/fused.py")
-    RT = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(RT)
 
 
 def fp8_pool(slots, seed=0, page_size=None):

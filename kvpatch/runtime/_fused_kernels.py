@@ -1,42 +1,39 @@
-"""Fused FP8 MLA attention: reads the FP8 latent pool in place, no bf16 copy (issue 17).
+"""A part of the kvpatch runtime: the fused FP8 MLA attention's Triton kernels (issue 17).
 
-The gathered cast moves 576 B (FP8 read) + 1,152 B (bf16 write) + 1,152 B (the kernel's
-bf16 read) a row; this kernel reads each row's 576 FP8 bytes and dequantises them in
-registers. Rows come through the index structures the original kernel is given:
-FlashInfer's kv_indptr / kv_indices (page_size slots an index), or a page_table with
-cache_seqlens (FA3/FA4, MUSA, XPU). Lengths are read on the device: a CUDA graph replays
-correctly with more or fewer rows than at capture. Split-KV: stage 1 runs a program per
-(request, split, query-row group) over a contiguous share of the request's positions, the
-share derived from the device length (a short request leaves programs idle); stage 2
-merges the splits by log-sum-exp. Boundaries depend only on the lengths: bit-identical runs.
+The launcher, its tuning and its scratch buffers are the next part, _fused.
 
-Numerics: FP8 -> bf16 is exact; bf16 dots with fp32 accumulation, fp32 softmax (base 2),
-P rounded to bf16 for the PV dot (as FlashInfer and FA3 do), fp32 partials. Masked or
-out-of-pool rows are never loaded, so poison outside the rows read cannot leak.
-
-Not yet part of the injected runtime (kvpatch.runtime.PARTS): no rewrite routes a kernel
-call here so far. Self-contained for when it joins: torch, and Triton on first use.
+Not a module of its own: kvpatch/runtime/__init__.py joins the parts in the order of its
+PARTS into the one _kvpatch_runtime.py that apply injects, keeping only what follows the
+"joined from here" line. The parts share that one module's namespace (a `global` in one
+part rebinds a name another defines); the imports above the line only let a part read
+alone, and are dropped.
 """
 
-import os
+# -- joined from here --
 
-import torch
 
-# Launch constants per (query rows per request x heads) bucket; the H200 sweep of
-# benchmarks/bench_fused.py picks them. block_m: query rows a program holds (heads x
-# draft tokens); block_n: KV positions per step; ctas_per_sm: the grid the split count
-# aims at; min_split: fewest positions a split takes before more splits pay.
-FUSED_TUNING = {
-    "small": {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2, "min_split": 128},
-    "large": {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3, "ctas_per_sm": 2, "min_split": 128},
-}  # best of the H200 sweep, GPU run 12 (notes/gpu-runs.md)
+# ---------------------------------------------------------------------------
+# Fused FP8 MLA attention: the kernels
+#
+# Fused FP8 MLA attention: reads the FP8 latent pool in place, no bf16 copy (issue 17).
+#
+# The gathered cast moves 576 B (FP8 read) + 1,152 B (bf16 write) + 1,152 B (the kernel's
+# bf16 read) a row; this kernel reads each row's 576 FP8 bytes and dequantises them in
+# registers. Rows come through the index structures the original kernel is given:
+# FlashInfer's kv_indptr / kv_indices (page_size slots an index), or a page_table with
+# cache_seqlens (FA3/FA4, MUSA, XPU). Lengths are read on the device: a CUDA graph replays
+# correctly with more or fewer rows than at capture. Split-KV: stage 1 runs a program per
+# (request, split, query-row group) over a contiguous share of the request's positions, the
+# share derived from the device length (a short request leaves programs idle); stage 2
+# merges the splits by log-sum-exp. Boundaries depend only on the lengths: bit-identical runs.
+#
+# Numerics: FP8 -> f16 is exact (one cvt a pair of values); f16 dots with fp32 accumulation,
+# q scaled into f16's range by a power of two (exact), fp32 softmax (base 2), P rounded to
+# f16 for the PV dot, fp32 partials. bf16 dots (config f16=False) round as FlashInfer and
+# FA3 do. Masked or out-of-pool rows are never loaded: poison outside the rows read cannot
+# leak.
 
 _fused_kernels = None  # (split kernel, combine kernel), built on first use; False: no Triton
-_fused_scratch = {}  # (device, rows, splits) -> (partial out fp32, partial lse fp32)
-
-
-def _fused_bucket(m_rows):
-    return "small" if m_rows <= 16 else "large"
 
 
 def _fused_build():
@@ -273,159 +270,3 @@ def _fused_build():
 
     _fused_kernels = (_fused_split_kernel, _fused_combine_kernel)
     return _fused_kernels
-
-
-def _fused_scratch_for(device, rows, splits, width):
-    key = (device, rows, splits, width)
-    bufs = _fused_scratch.get(key)
-    if bufs is None:
-        # Never read before written: stage 2 reads only the splits stage 1 wrote.
-        bufs = (
-            torch.empty((rows * splits, width), dtype=torch.float32, device=device),
-            torch.empty((rows * splits,), dtype=torch.float32, device=device),
-        )
-        _fused_scratch[key] = bufs
-    return bufs
-
-
-def _fused_sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def fused_mla(
-    q_nope,
-    q_pe,
-    kv_buffer,
-    out,
-    sm_scale,
-    *,
-    kv_indptr=None,
-    kv_indices=None,
-    page_table=None,
-    cache_seqlens=None,
-    page_size=1,
-    q_per_request=1,
-    causal=False,
-    ckv_scale=None,
-    kpe_scale=None,
-    n_splits=None,
-    config=None,
-):
-    """out[b*T + t, h] = MLA attention of query (b, t, h) over request b's rows, read as FP8.
-
-    q_nope [B*T, H, 512] and q_pe [B*T, H, 64] (bf16, last dim contiguous); kv_buffer the
-    FP8 pool, [slots, 1, 576] or [pages, page_size, 1, 576] (rows of 512 latent + 64 rope);
-    out [B*T, H, 512], written. Rows come from (kv_indptr, kv_indices) or from
-    (page_table, cache_seqlens), with page_size slots per index. T = q_per_request query
-    tokens per request; causal masks query t to positions <= len - T + t. ckv_scale /
-    kpe_scale: None, a float, or a one-element device tensor (FP8 dequant scales of the
-    latent and rope parts; the latent scale also scales the output, V being the latent).
-    Returns out. Graph-safe: no allocation after the first call per shape, no host sync.
-    """
-    n_tok, heads, d = q_nope.shape
-    dpe = q_pe.shape[-1]
-    tq = int(q_per_request)
-    if n_tok % tq:
-        raise ValueError("fused_mla: query rows are not a multiple of q_per_request")
-    batch = n_tok // tq
-    width = kv_buffer.shape[-1]
-    if width != d + dpe:
-        raise ValueError("fused_mla: pool rows are %d wide, q has %d + %d" % (width, d, dpe))
-    kv2 = kv_buffer.view(-1, width)
-    if d % 4 or (d // 4) & (d // 4 - 1):
-        raise ValueError("fused_mla: the latent width must be 4 x a power of two (MLA: 512)")
-    if kv2.stride(1) != 1 or q_nope.stride(2) != 1 or q_pe.stride(2) != 1 or out.stride(2) != 1:
-        raise ValueError("fused_mla: last dims must be contiguous")
-    by_indptr = kv_indices is not None
-    if by_indptr:
-        table, lens, table_stride = kv_indices.reshape(-1), kv_indptr, 0
-    else:
-        table, lens, table_stride = page_table, cache_seqlens, page_table.stride(0)
-        if page_table.stride(1) != 1:
-            raise ValueError("fused_mla: page_table rows must be contiguous")
-    kernels = _fused_build()
-    if not kernels:
-        raise RuntimeError("fused_mla needs Triton")
-    split_k, combine_k = kernels
-    m_rows = tq * heads
-    cfg = dict(FUSED_TUNING[_fused_bucket(m_rows)], **(config or {}))
-    block_m = min(cfg["block_m"], max(16, 1 << (m_rows - 1).bit_length()))
-    groups = -(-m_rows // block_m)
-    if n_splits is None:
-        target = _fused_sm_count(kv2.device) * cfg["ctas_per_sm"]
-        n_splits = max(1, min(64, -(-target // max(1, batch * groups))))
-    part_o, part_lse = _fused_scratch_for(kv2.device, batch * m_rows, n_splits, d)
-    ckv_t = _fused_scale_tensor(ckv_scale, kv2.device)
-    kpe_t = _fused_scale_tensor(kpe_scale, kv2.device)
-    _fused_last["split"] = split_k[(batch, n_splits, groups)](
-        q_nope,
-        q_pe,
-        kv2,
-        table,
-        lens,
-        part_o,
-        part_lse,
-        ckv_t if ckv_t is not None else part_lse,
-        kpe_t if kpe_t is not None else part_lse,
-        float(sm_scale),
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv2.stride(0),
-        table_stride,
-        kv2.shape[0],
-        n_splits,
-        cfg["min_split"],
-        H=heads,
-        TQ=tq,
-        D=d,
-        DPE=dpe,
-        PS=int(page_size),
-        BY_INDPTR=by_indptr,
-        CAUSAL=bool(causal) and tq > 1,
-        HAS_CKV_SCALE=ckv_t is not None,
-        HAS_KPE_SCALE=kpe_t is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg["block_n"],
-        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
-        F16=bool(cfg.get("f16", True)),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-    )
-    _fused_last["combine"] = combine_k[(batch * m_rows,)](
-        part_o,
-        part_lse,
-        lens,
-        out,
-        out.stride(0),
-        out.stride(1),
-        n_splits,
-        cfg["min_split"],
-        H=heads,
-        TQ=tq,
-        D=d,
-        PS=int(page_size),
-        BY_INDPTR=by_indptr,
-        BLOCK_N=cfg["block_n"],
-        num_warps=4,
-    )
-    return out
-
-
-_fused_scales = {}
-_fused_last = {}  # the compiled kernels of the last call (benchmarks read registers, spills)
-
-
-def _fused_scale_tensor(sc, device):
-    """None for no scale (None or 1.0), else a one-element device tensor (a float's made once)."""
-    if sc is None or isinstance(sc, torch.Tensor):
-        return sc
-    sc = float(sc)
-    if sc == 1.0:
-        return None
-    t = _fused_scales.get((device, sc))
-    if t is None:
-        t = _fused_scales[(device, sc)] = torch.full((1,), sc, dtype=torch.float32, device=device)
-    return t

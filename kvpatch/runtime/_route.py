@@ -1,0 +1,177 @@
+"""A part of the kvpatch runtime: routed kernel calls (the fused path, or the gather and the kernel).
+
+Not a module of its own: kvpatch/runtime/__init__.py joins the parts in the order of its
+PARTS into the one _kvpatch_runtime.py that apply injects, keeping only what follows the
+"joined from here" line. The parts share that one module's namespace (a `global` in one
+part rebinds a name another defines); the imports above the line only let a part read
+alone, and are dropped.
+"""
+
+import torch
+
+from kvpatch.runtime._modes import _cuda_available, _device_capability, _FP8, _requested, _warn_once, mode
+from kvpatch.runtime._dispatch import _shadow
+from kvpatch.runtime._gather import _rows
+from kvpatch.runtime._pages import page_cast
+from kvpatch.runtime._fused import fused_mla
+
+# -- joined from here --
+
+
+# ---------------------------------------------------------------------------
+# Routed kernel calls. A rewrite that routes a kernel call hands the pool on uncast
+# (kv_for_routed_kernel) and calls paged_attention(kernel, **the call's own arguments).
+# There, per call: the fused FP8 attention when it can serve the call and the mode picks
+# it; else the pages the call's own table lists are cast into the shadow and the original
+# kernel runs on them; a call whose caches cannot be traced to one pool gets its caches
+# cast whole (never wrong, only slower).
+
+# auto: the most query rows a request may hold (heads x query tokens) for the fused path,
+# per compute capability, where benchmarks/bench_fused.py measured fused faster than the
+# gathered cast plus the bf16 kernel at every shape it prints (notes/gpu-runs.md, run 15).
+# A GPU not listed is not measured: auto gathers there.
+FUSED_AUTO_ROWS = {(9, 0): 16}
+
+# FA3's flash_attn_with_kvcache: arguments the fused path reads (values checked below) and
+# arguments that only steer the original kernel's scheduling. Any other argument with a
+# value other than its default keeps the call on the original kernel.
+_FA3_READ = ("q", "k_cache", "v_cache", "qv", "page_table", "cache_seqlens", "cu_seqlens_q", "max_seqlen_q",
+             "softmax_scale", "causal", "out")
+_FA3_STEERING = ("num_splits", "pack_gqa", "sm_margin", "scheduler_metadata")
+_FA3_DEFAULTS = {"window_size": ((-1, -1), [-1, -1]), "softcap": (0.0, 0), "return_softmax_lse": (False,),
+                 "attention_chunk": (0, None)}
+_fused_failed = set()  # (device, heads, tq) whose fused launch raised: gather from then on
+
+
+def kv_for_routed_kernel(kv_buffer, q_dtype):
+    """What a routed kernel call receives in place of kv_buffer.to(q_dtype): the pool as
+    stored (paged_attention casts what the call reads, or reads the FP8 rows itself)."""
+    if mode() == "off":
+        return kv_buffer.to(q_dtype)
+    return kv_buffer
+
+
+def paged_attention(kernel, *args, **kw):
+    """kernel(*args, **kw) for a page-table kernel (FA3's flash_attn_with_kvcache) whose
+    caches may come uncast from kv_for_routed_kernel."""
+    k, v, q = kw.get("k_cache"), kw.get("v_cache"), kw.get("q")
+    if not all(isinstance(t, torch.Tensor) for t in (k, v, q)):
+        return kernel(*args, **_cast_fp8_args(kw, q))
+    if k.dtype == q.dtype and v.dtype == q.dtype:
+        return kernel(*args, **kw)  # cast already (KVPATCH_MODE=off), or a bf16 pool
+    if args:  # the rewrite routes keyword calls only; anything else gets whole casts
+        return kernel(*[_cast_whole(a, q.dtype) for a in args], **_cast_fp8_args(kw, q))
+    pool = _pool_of(k, v)
+    shape = _fused_shape(kw, pool)
+    if shape is not None and _want_fused(pool.device, *shape[:2]):
+        try:
+            return _fused_fa3(kw, pool, *shape)
+        except Exception as exc:  # a compile or launch failure: the gathered path from now on
+            _fused_failed.add((pool.device, shape[0], shape[1]))
+            _warn_once(("fused", type(exc).__name__), "kvpatch: fused attention failed (%s); gathering", exc)
+    return kernel(**_gathered(kw, pool))
+
+
+def _cast_whole(t, dtype):
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype is _FP8 else t
+
+
+def _cast_fp8_args(kw, q):
+    if not isinstance(q, torch.Tensor):
+        return kw
+    return {name: _cast_whole(t, q.dtype) for name, t in kw.items()}
+
+
+def _pool_of(k, v):
+    """The [slots, row] pool that the views k (rope part) and v (latent part) were cut
+    from, or None: v must start a row, k follow it in the same row, both with the rows'
+    stride and the same page geometry."""
+    if k.dtype is not _FP8 or v.dtype is not _FP8 or k.dim() != 4 or v.dim() != 4:
+        return None
+    try:
+        same = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    except Exception:
+        return None
+    row = k.stride(1)
+    width = v.shape[-1] + k.shape[-1]
+    if not (same and row == width and v.stride(1) == row and k.stride(0) == v.stride(0) == row * k.shape[1]
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k.shape[:3] == v.shape[:3] and k.shape[2] == 1
+            and k.storage_offset() == v.storage_offset() + v.shape[-1] and v.storage_offset() % row == 0):
+        return None
+    slots = v.shape[0] * v.shape[1]
+    return v.as_strided((slots, width), (row, 1), v.storage_offset())
+
+
+def _fused_shape(kw, pool):
+    """(heads, query tokens per request, batch) when the fused path computes exactly what
+    FA3 would for this call, else None."""
+    if pool is None or not _cuda_available() or pool.device.type != "cuda":
+        return None
+    if any(kw.get(name) not in ok for name, ok in _FA3_DEFAULTS.items() if name in kw):
+        return None
+    if any(name not in _FA3_READ + _FA3_STEERING + tuple(_FA3_DEFAULTS) for name in kw):
+        return None
+    if any(kw.get(name) is not None for name in ("k", "v", "q_descale", "k_descale", "v_descale", "cu_seqlens_k_new",
+                                                    "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
+                                                    "sinks")):
+        return None
+    q, qv, pt, sl = kw.get("q"), kw.get("qv"), kw.get("page_table"), kw.get("cache_seqlens")
+    if not all(isinstance(t, torch.Tensor) for t in (q, qv, pt, sl)) or pt.dim() != 2 or sl.dim() != 1:
+        return None
+    if q.dtype is not torch.bfloat16 or qv.dtype is not q.dtype or q.dim() != 3 or qv.dim() != 3:
+        return None
+    if not isinstance(kw.get("softmax_scale"), float) or q.shape[1] != qv.shape[1]:
+        return None
+    out = kw.get("out")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != qv.shape or out.dtype != qv.dtype
+                            or out.stride(-1) != 1):
+        return None
+    tokens, heads, batch = q.shape[0], q.shape[1], pt.shape[0]
+    if kw.get("cu_seqlens_q") is None:
+        return None
+    # Uniform query lengths, proven on the host: each request holds at most max_seqlen_q
+    # tokens, and all of them together hold batch x max_seqlen_q.
+    tq = kw.get("max_seqlen_q")
+    if not isinstance(tq, int) or tq < 1 or tokens != batch * tq or sl.shape[0] < batch:
+        return None
+    return heads, tq, batch
+
+
+def _want_fused(device, heads, tq):
+    m = mode()
+    if m not in ("fused", "gather") or (device, heads, tq) in _fused_failed:
+        return False
+    if m == "fused":
+        return True
+    if _requested != "auto":
+        return False
+    cap = _device_capability(device)
+    return heads * tq <= FUSED_AUTO_ROWS.get(cap, 0)
+
+
+def _fused_fa3(kw, pool, heads, tq, batch):
+    q_pe, q_nope = kw["q"], kw["qv"]
+    out = kw.get("out")
+    if out is None:  # FA3 allocates its output per call too
+        out = torch.empty((q_nope.shape[0], heads, q_nope.shape[-1]), dtype=q_nope.dtype, device=q_nope.device)
+    fused_mla(q_nope, q_pe, pool, out, kw["softmax_scale"], page_table=kw["page_table"],
+              cache_seqlens=kw["cache_seqlens"], page_size=kw["v_cache"].shape[1], q_per_request=tq,
+              causal=bool(kw.get("causal", False)))
+    return out
+
+
+def _gathered(kw, pool):
+    """The call's arguments with its caches replaced by views of the shadow, into which
+    the pages its own table lists were cast; whole casts where that cannot be done."""
+    k, v, q = kw["k_cache"], kw["v_cache"], kw["q"]
+    pt, sl = kw.get("page_table"), kw.get("cache_seqlens")
+    if pool is None or not isinstance(pt, torch.Tensor) or _rows(pool) is None:
+        _warn_once(("route-whole",), "kvpatch: routed call's caches not traced to one pool; casting them whole")
+        return _cast_fp8_args(kw, q)
+    shadow = _shadow(pool, q.dtype)
+    page_cast(pool, shadow, pt, sl if isinstance(sl, torch.Tensor) else None, v.shape[1])
+    base = pool.storage_offset()
+    out = dict(kw)
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        out[name] = shadow.as_strided(t.shape, t.stride(), t.storage_offset() - base)
+    return out
