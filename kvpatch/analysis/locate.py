@@ -80,6 +80,32 @@ def is_mla_plan_call(node: ast.Call) -> bool:
     return mla_plan_shape({k.arg for k in node.keywords if k.arg}, len(node.args), starred)
 
 
+_AST_FIELDS: Dict[type, Tuple[str, ...]] = {}
+
+
+def walk(node: ast.AST) -> List[ast.AST]:
+    """The nodes of ast.walk(node), in its order (breadth first, fields in order),
+    as a list: one loop over cached field names instead of a generator per node
+    (~3x faster; locate's walks were most of its time)."""
+    todo = [node]
+    i = 0
+    fields = _AST_FIELDS
+    ast_type = ast.AST
+    while i < len(todo):
+        n = todo[i]
+        i += 1
+        names = fields.get(type(n))
+        if names is None:
+            names = fields[type(n)] = type(n)._fields
+        for name in names:
+            v = getattr(n, name, None)
+            if isinstance(v, list):
+                todo.extend([x for x in v if isinstance(x, ast_type)])
+            elif isinstance(v, ast_type):
+                todo.append(v)
+    return todo
+
+
 def _call_name(node: ast.Call) -> Optional[str]:
     f = node.func
     if isinstance(f, ast.Attribute):
@@ -90,11 +116,22 @@ def _call_name(node: ast.Call) -> Optional[str]:
 
 
 def _names_in(node: ast.AST) -> Set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return {n.id for n in walk(node) if isinstance(n, ast.Name)}
 
 
 def _has_getter(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Call) and _call_name(n) in KV_GETTERS for n in ast.walk(node))
+    return any(isinstance(n, ast.Call) and _call_name(n) in KV_GETTERS for n in walk(node))
+
+
+def _value_facts(value: ast.AST) -> Tuple[bool, Set[str]]:
+    """(_has_getter(value), _names_in(value)) from one walk."""
+    nodes = walk(value)
+    return (any(isinstance(n, ast.Call) and _call_name(n) in KV_GETTERS for n in nodes),
+            {n.id for n in nodes if isinstance(n, ast.Name)})
+
+
+def _target_names(target: ast.AST) -> Set[str]:
+    return {target.id} if isinstance(target, ast.Name) else _names_in(target)
 
 
 def reads_kv(node: ast.AST, tainted: Set[str]) -> bool:
@@ -111,7 +148,7 @@ def _tainted(fn: ast.AST, nodes: Optional[List[ast.AST]] = None) -> Set[str]:
     over-approximates the libcst analysis and never drops a real site.
     `nodes`: ast.walk(fn), when the caller has it already."""
     pairs = []
-    for n in (nodes if nodes is not None else ast.walk(fn)):
+    for n in (nodes if nodes is not None else walk(fn)):
         if isinstance(n, ast.Assign):
             pairs += [(t, n.value) for t in n.targets]
         elif isinstance(n, (ast.AnnAssign, ast.AugAssign)) and n.value is not None:
@@ -121,7 +158,7 @@ def _tainted(fn: ast.AST, nodes: Optional[List[ast.AST]] = None) -> Set[str]:
         elif isinstance(n, ast.NamedExpr):
             pairs.append((n.target, n.value))
     # Each side is walked once; the fixed point then only intersects sets.
-    facts = [(_has_getter(value), _names_in(value), _names_in(target)) for target, value in pairs]
+    facts = [_value_facts(value) + (_target_names(target),) for target, value in pairs]
     tainted: Set[str] = set()
     changed = True
     while changed:
@@ -154,7 +191,7 @@ class MarkerLines:
 
 def _why(fn: ast.AST, uses_mla_wrapper: bool, runtime_calls: FrozenSet[str]) -> Set[str]:
     why: Set[str] = set()
-    nodes = list(ast.walk(fn))
+    nodes = walk(fn)
     calls = [n for n in nodes if isinstance(n, ast.Call)]
     if any(_call_name(n) in KV_GETTERS for n in calls):
         tainted = _tainted(fn, nodes)
@@ -199,7 +236,7 @@ def _self_attrs(fn: ast.AST, self_name: str) -> Set[str]:
         elif isinstance(n, (ast.AnnAssign, ast.AugAssign)):
             targets = [n.target]
         for t in targets:
-            for e in ast.walk(t):
+            for e in walk(t):
                 if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
                         and e.value.id == self_name):
                     attrs.add(e.attr)
@@ -223,7 +260,7 @@ def locate(tree: ast.Module, text: Optional[str] = None, runtime_calls: FrozenSe
     method_nodes: Dict[str, List[Tuple[ast.AST, str]]] = {}
     module_walk = text is None or MLA_WRAPPER in text or RUNTIME_MODULE in text
 
-    for n in (ast.walk(tree) if module_walk else ()):
+    for n in (walk(tree) if module_walk else ()):
         if isinstance(n, ast.Name) and n.id == MLA_WRAPPER:
             mod.uses_mla_wrapper = True
         elif isinstance(n, ast.Attribute) and n.attr == MLA_WRAPPER:
