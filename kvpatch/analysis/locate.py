@@ -48,6 +48,12 @@ class ClassFacts:
     init_params: List[str] = field(default_factory=list)
     init_annotations: Dict[str, str] = field(default_factory=dict)
     has_mla_plan: bool = False
+    # For following a cast into `self.<helper>(...)` (analysis/helpers.py): every def of
+    # each method name in the class body, the bases as written, and the names bound in
+    # the class body otherwise (`_forward = other`).
+    methods: Dict[str, List[ast.AST]] = field(default_factory=dict)
+    bases: List[str] = field(default_factory=list)
+    class_names: Set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -285,6 +291,15 @@ def locate(tree: ast.Module, text: Optional[str] = None, runtime_calls: FrozenSe
                 chain = class_chain + (stmt.name,)
                 cq = ".".join(chain)
                 facts = classes.setdefault(cq, ClassFacts(cq))
+                facts.bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                               for b in stmt.bases]
+                for sub in stmt.body:
+                    if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                        for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
+                            facts.class_names |= {n.id for n in walk(t) if isinstance(n, ast.Name)}
+                    elif not isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Expr,
+                                              ast.Pass)):
+                        facts.class_names.add("*")  # anything else may bind names: follow no helper
                 visit_body(stmt.body, chain)
             elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 cq = ".".join(class_chain) if class_chain else None
@@ -302,6 +317,7 @@ def locate(tree: ast.Module, text: Optional[str] = None, runtime_calls: FrozenSe
                 )
                 if cq:
                     facts = classes[cq]
+                    facts.methods.setdefault(stmt.name, []).append(stmt)
                     if first:
                         method_nodes.setdefault(cq, []).append((stmt, first))
                     if "plan" in unit.why:
