@@ -47,6 +47,9 @@ SPARSE_KERNELS: Dict[str, Tuple[Tuple[Tuple[Optional[int], str], ...], Tuple[Opt
     "flash_attn_with_kvcache": (((None, "k_cache"), (None, "v_cache")), (None, "page_table"),
                                 "pages page_table[b, :ceil(cache_seqlens[b] / page_size)] of the caches"),
 }
+# How many leading dims of the cache, flattened, the index addresses (-1: all but the last).
+LEAD = {"flash_mla_sparse_fwd": 1, "tilelang_sparse_fwd": 1, "flash_mla_with_kvcache": 2,
+        "dequantize_k_cache_paged": -1, "flash_attn_with_kvcache": 1}
 # Calls whose output row r is a function of input row r only: the value goes on through them.
 ROW_WISE = frozenset({"quantize_k_cache"})
 # Methods and subscripts that view a tensor without reading it.
@@ -61,6 +64,8 @@ class KernelUse:
     kernel: str
     index: Optional[str]  # the index argument as written in the helper, or None if absent
     rows: str  # the row contract
+    cache: Optional[ast.AST] = field(default=None, compare=False)  # the cache argument's node
+    index_node: Optional[ast.AST] = field(default=None, compare=False)
 
 
 @dataclass
@@ -70,12 +75,13 @@ class HelperPath:
     why_not: str = ""
     uses: List[KernelUse] = field(default_factory=list)
     escapes: List[str] = field(default_factory=list)  # uses that are no known kernel
+    params: List[str] = field(default_factory=list)  # the helper parameter that receives the value
 
     def describe(self) -> str:
         if not self.followed:
             return f"`self.{self.method}` not followed ({self.why_not})"
-        parts = [f"`{u.kernel}`" + (f" (rows from {u.index}: {u.rows})" if u.index else " (no index argument: "
-                                      "a dense read)") for u in self.uses]
+        parts = list(dict.fromkeys(f"`{u.kernel}`" + (f" (rows from {u.index}: {u.rows})" if u.index else " (no index argument: "
+                                      "a dense read)") for u in self.uses))
         text = f"`self.{self.method}` -> " + (", ".join(parts) if parts else "no kernel")
         if self.escapes:
             text += f"; the value also reaches {', '.join(self.escapes)}"
@@ -180,7 +186,7 @@ def follow(method: str, index: Optional[int], keyword: Optional[str], starred: b
                 else:
                     return HelperPath(method, False, f"the value is stored into `{ast.unparse(t)}` "
                                                      f"(line {n.lineno})")
-    path = HelperPath(method, True)
+    path = HelperPath(method, True, params=[param])
     consumed = set()
     for n in walk(fn):
         if not isinstance(n, ast.Call):
@@ -192,9 +198,9 @@ def follow(method: str, index: Optional[int], keyword: Optional[str], starred: b
                 cache = _bound(n, cpos, ckw)
                 if cache is not None and _carries(cache, names):
                     idx = _bound(n, ipos, ikw)
-                    use = KernelUse(kernel, f"`{ast.unparse(idx)}`" if idx is not None else None, rows)
-                    if use not in path.uses:
-                        path.uses.append(use)
+                    use = KernelUse(kernel, f"`{ast.unparse(idx)}`" if idx is not None else None, rows,
+                                    cache, idx)
+                    path.uses.append(use)
                     consumed.add(id(cache))
     meta = {id(n.value) for n in walk(fn) if isinstance(n, ast.Attribute) and n.attr in META}
     for n in walk(fn):  # every other read of the value is an escape
@@ -217,3 +223,98 @@ def _inside_consumed(fn: ast.AST, name: ast.Name, consumed: set, names: set) -> 
             if any(x is name for x in walk(r)):
                 return True
     return False
+
+
+# -- where a rewrite wraps the value: each kernel's cache argument, and the input of each
+# row-wise call on the way (it reads the rows before the kernel does) -------------------
+@dataclass
+class WrapPoint:
+    node: ast.AST  # the expression to wrap in kv_rows_at_kernel(node, index, lead)
+    index: str  # the index, as code valid anywhere in the helper
+    lead: int
+
+
+POOL_WRITE = ("set_", "buffer")  # SGLang writes a pool only through set_*_buffer calls
+
+
+def writes_pool(fn: ast.AST) -> Optional[ast.Call]:
+    for n in walk(fn):
+        if isinstance(n, ast.Call):
+            name = _name_of(n) or ""
+            if name.startswith(POOL_WRITE[0]) and POOL_WRITE[1] in name:
+                return n
+    return None
+
+
+def _assigned(fn: ast.AST) -> Dict[str, List[ast.AST]]:
+    out: Dict[str, List[ast.AST]] = {}
+    for n in walk(fn):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            out.setdefault(n.id, []).append(n)
+    return out
+
+
+def _simple(e: ast.AST) -> bool:
+    """Pure and cheap to evaluate twice: a name, an attribute chain, a constant, or a view
+    method of one with constant arguments."""
+    if isinstance(e, (ast.Name, ast.Constant)):
+        return True
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+        return isinstance(e.operand, ast.Constant)
+    if isinstance(e, ast.Attribute):
+        return _simple(e.value)
+    if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in VIEWS:
+        return _simple(e.func.value) and not e.keywords and all(
+            isinstance(a, ast.Constant) or (isinstance(a, ast.UnaryOp) and isinstance(a.operand, ast.Constant))
+            for a in e.args)
+    return False
+
+
+def index_in_helper(fn: ast.FunctionDef, idx: ast.AST) -> Tuple[Optional[str], str]:
+    """(code, "") for the index as an expression of parameters the helper never rebinds
+    (a local bound once to one is replaced by its value), or (None, why not)."""
+    stores = _assigned(fn)
+    if isinstance(idx, ast.Name) and len(stores.get(idx.id, ())) == 1:
+        bound = [n for n in walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1
+                 and isinstance(n.targets[0], ast.Name) and n.targets[0].id == idx.id]
+        if len(bound) == 1:
+            idx = bound[0].value
+    if not _simple(idx):
+        return None, f"the index `{ast.unparse(idx)}` is not a plain expression of the helper's parameters"
+    params = {p.arg for p in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs}
+    for n in walk(idx):
+        if isinstance(n, ast.Name) and (n.id not in params or n.id in stores):
+            return None, f"the index `{ast.unparse(idx)}` reads `{n.id}`, not a parameter the helper keeps"
+    return ast.unparse(idx), ""
+
+
+def wrap_points(path: HelperPath, fn: ast.FunctionDef) -> Tuple[List[WrapPoint], str]:
+    """Where a rewrite wraps the value in this followed helper, or ([], why it cannot)."""
+    if not path.sparse:
+        return [], "not every use of the value is a kernel with its index argument"
+    w = writes_pool(fn)
+    if w is not None:
+        return [], f"`{ast.unparse(w.func)}` (line {w.lineno}) may write the pool before the kernel reads it"
+    points: List[WrapPoint] = []
+    for u in path.uses:
+        code, why = index_in_helper(fn, u.index_node)
+        if code is None:
+            return [], why
+        points.append(WrapPoint(u.cache, code, LEAD[u.kernel]))
+    row_wise = [n for n in walk(fn) if isinstance(n, ast.Call) and _name_of(n) in ROW_WISE and n.args]
+    if row_wise:
+        if len({(p.index, p.lead) for p in points}) != 1:
+            return [], "a row-wise call reads the value on the way to kernels with different rows"
+        names = _carried_names(fn, path)
+        for call in row_wise:
+            if _carries(call.args[0], names):
+                points.append(WrapPoint(call.args[0], points[0].index, points[0].lead))
+    return points, ""
+
+
+def _carried_names(fn: ast.FunctionDef, path: HelperPath) -> set:
+    names = set(path.params)
+    for n in walk(fn):
+        if isinstance(n, ast.Assign) and _carries(n.value, names):
+            names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+    return names

@@ -220,6 +220,27 @@ def _why(fn: ast.AST, uses_mla_wrapper: bool, runtime_calls: FrozenSet[str]) -> 
     return why
 
 
+def _cast_helpers(fn: ast.AST, self_name: str) -> Set[str]:
+    """Methods `self.<m>(...)` handed a name bound to a cast of a KV buffer in fn: the
+    helpers a cast may be followed into (analysis/helpers.py), parsed so that a rule
+    can rewrite their kernel calls."""
+    nodes = walk(fn)
+    tainted = _tainted(fn, nodes)
+    cast_names: Set[str] = set()
+    for n in nodes:
+        if (isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
+                and n.value.func.attr in CAST_CALLS and reads_kv(n.value.func.value, tainted)):
+            cast_names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+    out: Set[str] = set()
+    for n in nodes:
+        if (cast_names and isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and isinstance(n.func.value, ast.Name) and n.func.value.id == self_name
+                and any(isinstance(a, ast.Name) and a.id in cast_names
+                        for a in list(n.args) + [k.value for k in n.keywords])):
+            out.add(n.func.attr)
+    return out
+
+
 def _statements(fn: ast.AST):
     """fn and every statement under it (nested bodies included), skipping
     expressions: assignments are statements, so nothing they hold is missed."""
@@ -343,6 +364,14 @@ def locate(tree: ast.Module, text: Optional[str] = None, runtime_calls: FrozenSe
     for facts in classes.values():
         if facts.has_mla_plan and facts.init is not None:
             facts.init.why.add("init")
+    by_name = {u.qualname: u for u in units}
+    for u in [u for u in units if "kvbuf" in u.why and u.class_qualname]:
+        for stmt, first in method_nodes.get(u.class_qualname, ()):
+            if by_name.get(f"{u.class_qualname}.{stmt.name}") is u:
+                for m in _cast_helpers(stmt, first):
+                    helper = by_name.get(f"{u.class_qualname}.{m}")
+                    if helper is not None and helper is not u:
+                        helper.why.add("helper")
     # Only the classes of the units that matter are asked about their attributes.
     for cq in {u.class_qualname for u in units if u.why and u.class_qualname}:
         for stmt, first in method_nodes.get(cq, ()):

@@ -8,6 +8,7 @@ alone, and are dropped.
 """
 
 from kvpatch.runtime._modes import _probe_cache, _shadow_users, _shadows, _triton_failed, _warned
+from kvpatch.runtime._sparse import _deferred_shadows, _deferred_src
 
 # -- joined from here --
 
@@ -25,9 +26,11 @@ def reset():
     _warned.clear()
     _probe_cache.clear()
     _triton_failed.clear()
+    _deferred_shadows.clear()
+    _deferred_src.clear()
 
 
 def poison_shadows(value=float("nan")):
     """Fill every shadow buffer, so a row a gather missed cannot pass for a cast one."""
-    for buf in _shadows.values():
+    for buf in list(_shadows.values()) + list(_deferred_shadows.values()):
         buf.fill_(value)
