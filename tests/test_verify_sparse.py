@@ -30,7 +30,7 @@ def _fa3(q, k_cache, v_cache, page_table):
     out = []
     for t in range(q.shape[0]):
         pages = page_table[t].long()
-        slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
+        slots = (pages[:, None] * ps + torch.arange(ps, device=pages.device)[None, :]).reshape(-1)
         slots = torch.where(pages[:, None].expand(-1, ps).reshape(-1) >= 0, slots, torch.full_like(slots, -1))
         kr, valid = ref._rows(k2, slots)
         vr, _ = ref._rows(v2, slots)
@@ -81,21 +81,22 @@ PATHS = [("flashmla_sparse", 0, False, False), ("flashmla_sparse", 3, False, Fal
          ("flashmla_sparse", 0, True, True)]
 
 
-def _inputs(seed):
+def _inputs(seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     pool = (torch.randn(SLOTS, 1, D, generator=gen) * 2).to(torch.float8_e4m3fn)
     q = torch.randn(T, H, D, generator=gen).to(torch.bfloat16)
     topk = torch.randint(0, SLOTS, (T, TOPK), generator=gen, dtype=torch.int32)
     topk[:, -3:] = -1  # invalid entries: skipped by the kernels, never read
     flat = torch.randint(0, SLOTS, (40,), generator=gen, dtype=torch.int32)
-    return pool, q, topk, flat
+    return tuple(x.to(device) for x in (pool, q, topk, flat))
 
 
-def failures(patched_text, rt, seeds=(0, 1)):
+def failures(patched_text, rt, seeds=(0, 1), device="cpu"):
+    """The (seed, path) cases where the patched module's output differs from the original's."""
     orig, new = _module(EX.NSA, None), _module(patched_text, rt)
     bad = []
     for seed in seeds:
-        pool, q, topk, flat = _inputs(seed)
+        pool, q, topk, flat = _inputs(seed, device)
         for path in PATHS:
             a = _run(orig, None, *path, pool, q, topk, flat)
             b = _run(new, rt, *path, pool, q, topk, flat)
