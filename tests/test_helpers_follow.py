@@ -100,3 +100,39 @@ def test_a_kernel_without_its_index_argument_is_a_dense_read():
     helper = SPARSE.replace(", indices=page_table_1.unsqueeze(1)", "")
     r = _reason(HEAD + helper)
     assert "no index argument: a dense read" in r and "every one reaches" not in r
+
+
+def test_kvp105_apply_then_revert_is_byte_exact_and_idempotent(tmp_path):
+    """KVP105's rewrite through the CLI on a git checkout: apply, a second apply that finds
+    nothing to do, revert to the original bytes."""
+    import subprocess
+    import sys
+
+    from kvpatch.rules._helper_examples import NSA, NSA_PATCHED
+
+    rel = tmp_path / "python/sglang/srt/layers/attention/nsa_backend.py"
+    rel.parent.mkdir(parents=True)
+    original = textwrap.dedent(NSA).encode()
+    rel.write_bytes(original)
+
+    def git(*a):
+        subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True,
+                       env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                            "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "original")
+
+    def kvpatch(*a):
+        return subprocess.run([sys.executable, "-m", "kvpatch", *a, str(tmp_path)], capture_output=True, text=True)
+
+    r = kvpatch("apply")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert rel.read_text() == textwrap.dedent(NSA_PATCHED)
+    again = kvpatch("apply", "--dry-run")
+    assert "+++" not in again.stdout and "kv_rows" not in again.stdout, again.stdout  # no diff: nothing left
+    assert rel.read_text() == textwrap.dedent(NSA_PATCHED)
+    r = kvpatch("revert")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert rel.read_bytes() == original
