@@ -296,13 +296,21 @@ def wrap_points(path: HelperPath, fn: ast.FunctionDef) -> Tuple[List[WrapPoint],
     if w is not None:
         return [], f"`{ast.unparse(w.func)}` (line {w.lineno}) may write the pool before the kernel reads it"
     points: List[WrapPoint] = []
+    local = False  # an index valid only at its kernel's call (a local of the helper)
     for u in path.uses:
         code, why = index_in_helper(fn, u.index_node)
+        if code is None and _simple(u.index_node):
+            # The kernel's own index argument, evaluated again in the same argument list:
+            # the same value (a plain expression), valid there whatever it reads.
+            code, local = ast.unparse(u.index_node), True
         if code is None:
             return [], why
         points.append(WrapPoint(u.cache, code, LEAD[u.kernel]))
     row_wise = [n for n in walk(fn) if isinstance(n, ast.Call) and _name_of(n) in ROW_WISE and n.args]
-    if row_wise:
+    if row_wise and any(_carries(c.args[0], _carried_names(fn, path)) for c in row_wise):
+        if local:
+            return [], ("a row-wise call reads the value before the kernel, and the kernel's index is a "
+                        "local of the helper, not known there")
         if len({(p.index, p.lead) for p in points}) != 1:
             return [], "a row-wise call reads the value on the way to kernels with different rows"
         names = _carried_names(fn, path)
