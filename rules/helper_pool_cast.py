@@ -66,6 +66,8 @@ class HelperPoolCast(Rule):
             return None
         if not any(_own_method(c) for c in cand.consumers):
             return None  # no helper: the page-table and MLA rules, or the report, decide
+        if not all(self._known(c, ctx) for c in cand.consumers):
+            return None  # a use no kernel contract covers: the report (KVP201) names it and what is needed
         edits, why = self._edits(cand, ctx)
         kernels = consumer_names(cand.consumers, ctx)
         if why:
@@ -77,6 +79,18 @@ class HelperPoolCast(Rule):
                         edits + [ReplaceNode(ctx.unit.qualname, cand.call,
                                              cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{self.EMITS[0]}")),
                                  NeedRuntime()])
+
+    def _known(self, c: Consumer, ctx: UnitContext) -> bool:
+        """The use is a kernel with a known row contract, or a helper followed to such kernels."""
+        if c.kind not in ("call", "method") or c.call is None or _arg_of(c) is None:
+            return False
+        if not _own_method(c):
+            return _callee(c.call) in SPARSE_KERNELS
+        arg = _arg_of(c)
+        keyword = arg.keyword.value if arg.keyword is not None else None
+        index = None if keyword else sum(1 for a in c.call.args[: c.call.args.index(arg)] if a.keyword is None)
+        return follow(c.call.func.attr.value, index, keyword, arg.star != "", ctx.class_facts,
+                      ctx.file.classes).sparse
 
     def _edits(self, cand: CastCandidate, ctx: UnitContext) -> Tuple[List[ReplaceNode], str]:
         line = ctx.line(cand.call)

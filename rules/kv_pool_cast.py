@@ -227,7 +227,8 @@ def needs(consumers, ctx: UnitContext) -> str:
                     "index structure then cast next to it or passed up and proven equal at the cast")
         out.append(f"{', '.join(helpers)} {'is a method' if len(helpers) == 1 else 'are methods'} of this class, "
                    f"followed into: {'; '.join(p.describe() for p in paths)}: {need}")
-    known = [o for o in other if o.strip("`") in SPARSE_KERNELS]
+    known = [describe(c, ctx) for c in consumers if not _own_method(c) and _indexed(c)]
+    known = [k for k in dict.fromkeys(known) if k in other]
     if known:
         out.append(f"{', '.join(known)} {'reads' if len(known) == 1 else 'read'} only the rows of its index "
                    f"argument ({'; '.join(SPARSE_KERNELS[k.strip('`')][2] for k in known)}): a rewrite needs that "
@@ -238,6 +239,18 @@ def needs(consumers, ctx: UnitContext) -> str:
                    f"structure kvpatch knows (the kv_indices of a planned wrapper, a page table with its lengths, "
                    f"or a ragged kv_indptr/kv_indices list): a rewrite needs the kernel's row contract")
     return "; ".join(out)
+
+
+def _indexed(c: Consumer) -> bool:
+    """A call of a kernel with a known row contract, handed its index argument."""
+    f = c.call.func if c.call is not None else None
+    name = f.attr.value if isinstance(f, cst.Attribute) else f.value if isinstance(f, cst.Name) else ""
+    if name not in SPARSE_KERNELS:
+        return False
+    ipos, ikw = SPARSE_KERNELS[name][1]
+    plain = [a for a in c.call.args if a.keyword is None and not a.star]
+    return any(a.keyword is not None and a.keyword.value == ikw for a in c.call.args) or (
+        ipos is not None and len(plain) > ipos)
 
 
 def helper_paths(consumers, ctx: UnitContext):

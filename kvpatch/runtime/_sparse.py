@@ -99,7 +99,3 @@ def kv_rows_at_kernel(kv, indices, lead=1):
     safe = torch.where((i >= 0) & (i < rows), i, torch.zeros_like(i))
     dst2.index_copy_(0, safe, src2.index_select(0, safe).to(kv.dtype))
     return kv
-
-
-# The head defines __all__; these two join it.
-__all__ += ["kv_rows_deferred", "kv_rows_at_kernel"]  # noqa: F821
