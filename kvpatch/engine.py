@@ -9,6 +9,7 @@ the process boundary, so ``apply`` re-analyses the few files it rewrites.
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import signal
 import sys
@@ -72,6 +73,12 @@ class FileAnalysis:
 
 # -- per file --------------------------------------------------------------
 def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:
+    # The cyclic GC is paused while one file is analysed: libcst's trees are freed by reference
+    # counts, and its generation-0 passes over their many small objects cost ~15% of audit's
+    # CPU. It resumes after each file (anything cyclic left is collected then).
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
     try:
         return _analyze_source(rel, data, rules)
     except RecursionError:
@@ -81,6 +88,9 @@ def analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis
         fa = FileAnalysis(rel)
         fa.errors.append(FileError(rel, "does not parse: nested too deeply to analyse"))
         return fa
+    finally:
+        if paused:
+            gc.enable()
 
 
 def _analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysis:

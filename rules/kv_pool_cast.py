@@ -15,6 +15,7 @@ import libcst as cst
 
 from kvpatch.analysis.candidates import CastCandidate
 from kvpatch.analysis.classify import dead_result
+from kvpatch.analysis.helpers import SPARSE_KERNELS, HelperPath, follow
 from kvpatch.analysis.match import Consumer, UnitContext, consumer_names, describe, is_mla_run
 from kvpatch.analysis.tensorops import PAGED_KEYWORDS
 from kvpatch.rule import Decision, Invalid, Rule, Upstream, Valid
@@ -216,12 +217,58 @@ def needs(consumers, ctx: UnitContext) -> str:
                    f"the signatures of sgl-kernel's flash_mla_* and aiter's paged_attention_ragged): a rewrite "
                    f"needs the argument that bounds the pages each request reads, proven equal at the cast")
     if helpers:
-        out.append(f"{', '.join(helpers)} {'is a method' if len(helpers) == 1 else 'are methods'} of this class: "
-                   f"the kernels and the rows they read are inside, not visible at the cast; a rewrite needs the "
-                   f"cast moved next to each kernel, or each kernel's index structure (kv_indices, or a page "
-                   f"table with its lengths) passed up and proven equal at the cast")
+        paths = helper_paths(consumers, ctx)
+        if all(p.sparse for p in paths):
+            need = ("every one reaches a kernel whose rows kvpatch knows (the index argument named above); a "
+                    "rewrite needs the gathered cast moved next to each kernel (or those indices passed up and "
+                    "proven equal at the cast): kvpatch does not rewrite across methods yet")
+        else:
+            need = ("a rewrite needs every helper followed to a kernel whose rows kvpatch knows, each kernel's "
+                    "index structure then cast next to it or passed up and proven equal at the cast")
+        out.append(f"{', '.join(helpers)} {'is a method' if len(helpers) == 1 else 'are methods'} of this class, "
+                   f"followed into: {'; '.join(p.describe() for p in paths)}: {need}")
+    known = [describe(c, ctx) for c in consumers if not _own_method(c) and _indexed(c)]
+    known = [k for k in dict.fromkeys(known) if k in other]
+    if known:
+        out.append(f"{', '.join(known)} {'reads' if len(known) == 1 else 'read'} only the rows of its index "
+                   f"argument ({'; '.join(SPARSE_KERNELS[k.strip('`')][2] for k in known)}): a rewrite needs that "
+                   f"row cast next to the call")
+        other = [o for o in other if o not in known]
     if other:
         out.append(f"{', '.join(other)} {'takes' if len(other) == 1 else 'take'} the whole cast pool with no index "
                    f"structure kvpatch knows (the kv_indices of a planned wrapper, a page table with its lengths, "
                    f"or a ragged kv_indptr/kv_indices list): a rewrite needs the kernel's row contract")
     return "; ".join(out)
+
+
+def _indexed(c: Consumer) -> bool:
+    """A call of a kernel with a known row contract, handed its index argument."""
+    f = c.call.func if c.call is not None else None
+    name = f.attr.value if isinstance(f, cst.Attribute) else f.value if isinstance(f, cst.Name) else ""
+    if name not in SPARSE_KERNELS:
+        return False
+    ipos, ikw = SPARSE_KERNELS[name][1]
+    plain = [a for a in c.call.args if a.keyword is None and not a.star]
+    return any(a.keyword is not None and a.keyword.value == ikw for a in c.call.args) or (
+        ipos is not None and len(plain) > ipos)
+
+
+def helper_paths(consumers, ctx: UnitContext):
+    """Each `self.<helper>(...)` consumer followed into the helper (analysis/helpers.py)."""
+    facts = ctx.class_facts
+    out = []
+    for c in consumers:
+        if not _own_method(c):
+            continue
+        arg = c.call.args[c.arg_index] if c.arg_index is not None and c.arg_index < len(c.call.args) else None
+        keyword = arg.keyword.value if arg is not None and arg.keyword is not None else c.keyword
+        starred = arg is not None and arg.star != ""
+        index = (sum(1 for a in c.call.args[: c.arg_index] if a.keyword is None)
+                 if arg is not None and keyword is None else None)
+        path = follow(c.call.func.attr.value, index, keyword, starred, facts, ctx.file.classes)
+        if path.method not in [p.method for p in out]:
+            out.append(path)
+    return out
+
+
+__all__ = ["HelperPath", "KvPoolCast", "helper_paths", "needs", "paged_keyword"]

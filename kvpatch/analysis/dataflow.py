@@ -15,6 +15,8 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import libcst as cst
 
+from kvpatch.analysis.units import lexical_children
+
 State = Optional[Dict[str, FrozenSet[int]]]  # None: unreachable
 
 
@@ -30,43 +32,27 @@ class Definition:
     guards: Tuple[Tuple[cst.BaseExpression, bool], ...] = ()
 
 
-class _Loads(cst.CSTVisitor):
-    """Name nodes an expression reads (not attribute names, not keywords)."""
-
-    def __init__(self) -> None:
-        self.names: List[cst.Name] = []
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names.append(node)
-
-    def visit_Attribute(self, node: cst.Attribute) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Arg(self, node: cst.Arg) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        node.body.visit(self)
-        return False
-
-    def visit_Param(self, node: cst.Param) -> bool:
-        return False
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return False
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
-
-
 def loads_in(node: Optional[cst.CSTNode]) -> List[cst.Name]:
-    if node is None:
-        return []
-    v = _Loads()
-    node.visit(v)
-    return v.names
+    """Name nodes an expression reads (not attribute names, not keywords, not the
+    parameters of a lambda, nothing inside a nested def or class), in source order:
+    what a libcst visitor with those rules collects, read from the fields directly
+    (a visitor rebuilds every node it leaves)."""
+    names: List[cst.Name] = []
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        t = type(n)
+        if t is cst.Name:
+            names.append(n)
+        elif t is cst.Attribute or t is cst.Arg:
+            stack.append(n.value)
+        elif t is cst.Lambda:
+            stack.append(n.body)
+        elif t is cst.Param or t is cst.FunctionDef or t is cst.ClassDef:
+            continue
+        else:
+            stack.extend(reversed(lexical_children(n)))
+    return names
 
 
 def _merge(a: State, b: State) -> State:

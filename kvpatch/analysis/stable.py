@@ -59,14 +59,17 @@ def _scan(ctx: UnitContext) -> Tuple[list, list, list]:
         func = ctx.func
         outside = {id(n) for part in (func.decorators, [func.params], [func.returns] if func.returns else [])
                    for root in part for n in preorder(root)}
+        # Exact kinds (libcst's concrete nodes have no subclasses): isinstance goes
+        # through ABCMeta, for every node of the function.
         for n in preorder(func):
-            if isinstance(n, cst.Call):
+            t = type(n)
+            if t is cst.Call:
                 calls.append(n)
             if n is func or id(n) in outside:
                 continue
-            if isinstance(n, (cst.AssignTarget, cst.AugAssign)) and isinstance(n.target, (cst.Attribute, cst.Subscript)):
+            if (t is cst.AssignTarget or t is cst.AugAssign) and type(n.target) in (cst.Attribute, cst.Subscript):
                 stores.append(n.target)
-            elif isinstance(n, (cst.FunctionDef, cst.Lambda)):
+            elif t is cst.FunctionDef or t is cst.Lambda:
                 scopes.append(n)
         got = ctx.__dict__[_SCAN] = ([(ctx.code(n), n) for n in stores], scopes, calls)
     return got

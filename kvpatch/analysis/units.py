@@ -13,7 +13,7 @@ import dataclasses
 import io
 import re
 import tokenize
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -56,11 +56,16 @@ class _PositionState(CodegenState):
         self._seen = len(toks)
         return CodePosition(self._line, self._col)
 
-    @contextmanager
     def record_syntactic_position(self, node, *, start_node=None, end_node=None):
-        if not isinstance(node, _POSITIONED):
-            yield
-            return
+        positioned = _IS_POSITIONED.get(type(node))
+        if positioned is None:
+            positioned = _IS_POSITIONED[type(node)] = isinstance(node, _POSITIONED)
+        if not positioned:
+            return _NOTHING  # most nodes: no generator-based context per node
+        return self._record(node, start_node, end_node)
+
+    @contextmanager
+    def _record(self, node, start_node, end_node):
         start = self._pos()
         try:
             yield
@@ -73,6 +78,10 @@ class _PositionState(CodegenState):
             self.ranges[node] = CodeRange(start, end)
 
 
+_IS_POSITIONED: Dict[type, bool] = {}
+_NOTHING = nullcontext()
+
+
 def ranges(module: cst.Module) -> Dict[cst.CSTNode, CodeRange]:
     """The ranges of the positioned node kinds in `module` (one codegen pass;
     libcst's PositionProvider would build metadata for every node)."""
@@ -82,6 +91,16 @@ def ranges(module: cst.Module) -> Dict[cst.CSTNode, CodeRange]:
 
 
 _FIELDS: Dict[type, Tuple[str, ...]] = {}
+_IS_NODE: Dict[type, bool] = {}
+
+
+def is_node_type(t: type) -> bool:
+    """issubclass(t, cst.CSTNode), cached: libcst's nodes are ABCs, and an
+    isinstance through ABCMeta per field was a large share of every walk."""
+    got = _IS_NODE.get(t)
+    if got is None:
+        got = _IS_NODE[t] = issubclass(t, cst.CSTNode)
+    return got
 
 
 def parent_map(root: cst.CSTNode) -> Dict[cst.CSTNode, cst.CSTNode]:
@@ -90,44 +109,87 @@ def parent_map(root: cst.CSTNode) -> Dict[cst.CSTNode, cst.CSTNode]:
     which rebuilds every node it leaves)."""
     parents: Dict[cst.CSTNode, cst.CSTNode] = {}
     stack = [root]
-    node_type = cst.CSTNode
     while stack:
         n = stack.pop()
-        names = _FIELDS.get(type(n))
-        if names is None:
-            names = _FIELDS[type(n)] = tuple(f.name for f in dataclasses.fields(n))
-        for name in names:
-            v = getattr(n, name)
-            if isinstance(v, node_type):
-                parents[v] = n
-                stack.append(v)
-            elif isinstance(v, (list, tuple)):
+        for v in _child_fields(n):
+            tv = type(v)
+            if tv is list or tv is tuple:
                 for x in v:
-                    if isinstance(x, node_type):
+                    if _IS_NODE.get(type(x)) or is_node_type(type(x)):
                         parents[x] = n
                         stack.append(x)
+            elif _IS_NODE.get(tv) or is_node_type(tv):
+                parents[v] = n
+                stack.append(v)
     return parents
 
 
+def _child_fields(n: cst.CSTNode) -> List[object]:
+    names = _FIELDS.get(type(n))
+    if names is None:
+        names = _FIELDS[type(n)] = tuple(f.name for f in dataclasses.fields(n))
+    return [getattr(n, name) for name in names]
+
+
+def _kids(n: cst.CSTNode, values) -> List[cst.CSTNode]:
+    kids: List[cst.CSTNode] = []
+    for v in values:
+        tv = type(v)
+        if tv is list or tv is tuple:
+            kids.extend([x for x in v if _IS_NODE.get(type(x)) or is_node_type(type(x))])
+        elif _IS_NODE.get(tv) or is_node_type(tv):
+            kids.append(v)
+    return kids
+
+
 def preorder(root: cst.CSTNode):
-    """Every node under root, parents first and children in source order, read straight from
+    """Every node under root, parents first and children in field order, read straight from
     the nodes' dataclass fields (as units.parent_map: no visitor)."""
     stack = [root]
-    node_type = cst.CSTNode
     while stack:
         n = stack.pop()
         yield n
-        names = _FIELDS.get(type(n))
-        if names is None:
-            names = _FIELDS[type(n)] = tuple(f.name for f in dataclasses.fields(n))
-        kids = []
-        for name in names:
-            v = getattr(n, name)
-            if isinstance(v, node_type):
-                kids.append(v)
-            elif isinstance(v, (list, tuple)):
-                kids.extend(x for x in v if isinstance(x, node_type))
-        stack.extend(reversed(kids))
+        stack.extend(reversed(_kids(n, _child_fields(n))))
+
+
+_ORDER: Dict[type, Optional[Tuple[str, ...]]] = {}
+
+
+class _FieldOrder(cst.CSTVisitor):
+    """Records the fields libcst visits on one node, in its (source) order."""
+
+    def __init__(self, root: cst.CSTNode) -> None:
+        self.root = root
+        self.names: List[str] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        return node is self.root
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        if node is self.root and attribute not in self.names:
+            self.names.append(attribute)
+
+
+def _field_order(n: cst.CSTNode) -> Optional[Tuple[str, ...]]:
+    """The order in which libcst visits the fields of n's kind, learnt once per kind;
+    None if it does not name every field (then n.children is asked each time)."""
+    rec = _FieldOrder(n)
+    n.visit(rec)
+    names = _FIELDS.get(type(n)) or tuple(f.name for f in dataclasses.fields(n))
+    return tuple(rec.names) if set(rec.names) >= set(names) else None
+
+
+def lexical_children(n: cst.CSTNode) -> List[cst.CSTNode]:
+    """n.children (libcst's visit order, which is source order) read straight from
+    the fields in the order libcst visits them (n.children runs a visitor that
+    rebuilds n: slow per node)."""
+    t = type(n)
+    order = _ORDER.get(t, ())
+    if order == ():
+        order = _ORDER[t] = _field_order(n)
+    if order is None:
+        return list(n.children)
+    return _kids(n, [getattr(n, name) for name in order])
 
 
 @dataclass

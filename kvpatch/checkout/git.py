@@ -136,6 +136,24 @@ def valid_ref(ref: str) -> bool:
     return run_status(os.curdir, "check-ref-format", ref)[0] == 0
 
 
+def quick_query(root: Path, *args: str) -> Optional[bytes]:
+    """stdout of a read-only `git -C root args`, run without GitPython (whose import
+    and Repo setup cost more than a whole file listing); None on any failure or when
+    GIT_DIR/GIT_WORK_TREE redirect git, and the caller then asks the slow way, which
+    names the error."""
+    if os.environ.get("GIT_DIR") or os.environ.get("GIT_WORK_TREE"):
+        return None
+    import subprocess
+
+    try:
+        p = subprocess.run(["git", "-C", os.fspath(root), *args], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           env={**os.environ, **LITERAL_ENV, "GIT_OPTIONAL_LOCKS": "0"})
+    except OSError:
+        return None
+    return p.stdout if p.returncode == 0 else None
+
+
 def split_z(out: bytes) -> List[str]:
     return [os.fsdecode(p) for p in out.split(NUL) if p]
 

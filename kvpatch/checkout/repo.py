@@ -92,6 +92,9 @@ def listed_files(root: Path) -> Optional[List[str]]:
     rule hides), relative to root and sorted; None when git does not manage root
     (the caller then walks the tree). Ignored copies such as python/build/lib/
     are left out, as ast-grep and semgrep leave them out."""
+    fast = _listed_quick(root)
+    if fast is not None:
+        return fast
     info = git_info(root)
     if info is None:
         return None
@@ -100,6 +103,27 @@ def listed_files(root: Path) -> Optional[List[str]]:
                *(["--", prefix] if prefix else []), raw=True)
     cut = len(prefix) + 1 if prefix else 0
     return sorted({p[cut:] for p in git.split_z(out)})
+
+
+def _listed_quick(root: Path) -> Optional[List[str]]:
+    """listed_files through two plain git queries (audit's listing, without
+    GitPython): None whenever the answer is not a plain yes (outside git, a bare
+    repository, nothing tracked under root, git refusing), and listed_files then
+    asks the slow way, which also refuses an unreadable .git."""
+    if root.is_file() or not git._inside_git(root):
+        return None
+    where = git.quick_query(root, "rev-parse", "--is-bare-repository", "--is-inside-work-tree")
+    if where is None or where.split() != [b"false", b"true"]:
+        return None
+    # -t tags each entry: "? " untracked, any other tag a file git tracks. Paths
+    # are relative to root (git's cwd), and only those under it are listed.
+    out = git.quick_query(root, "ls-files", "-z", "-t", "--cached", "--others", "--exclude-standard")
+    if out is None:
+        return None
+    entries = git.split_z(out)
+    if not any(e[:2] != "? " for e in entries):
+        return None  # nothing tracked under root: the slow way decides (plain directory)
+    return sorted({e[2:] for e in entries})
 
 
 def dirty_paths(info: GitInfo, root: Path) -> List[str]:

@@ -38,6 +38,8 @@ __all__ = [
     "fused_mla",
     "kv_for_routed_kernel",
     "paged_attention",
+    "kv_rows_deferred",
+    "kv_rows_at_kernel",
     "FUSED_TUNING",
     "FUSED_AUTO_ROWS",
 ]
@@ -236,3 +238,4 @@ from kvpatch.runtime._pages import kv_pages_for_kernel, page_cast, ragged_pages
 from kvpatch.runtime._reset import poison_shadows, reset
 from kvpatch.runtime._fused import FUSED_TUNING, fused_mla
 from kvpatch.runtime._route import FUSED_AUTO_ROWS, kv_for_routed_kernel, paged_attention
+from kvpatch.runtime._sparse import kv_rows_at_kernel, kv_rows_deferred

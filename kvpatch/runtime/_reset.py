@@ -9,6 +9,7 @@ alone, and are dropped.
 
 from kvpatch.runtime._modes import _probe_cache, _shadow_users, _shadows, _triton_failed, _warned
 from kvpatch.runtime._route import _fused_failed
+from kvpatch.runtime._sparse import _deferred_shadows, _deferred_src
 
 # -- joined from here --
 
@@ -27,9 +28,11 @@ def reset():
     _probe_cache.clear()
     _triton_failed.clear()
     _fused_failed.clear()
+    _deferred_shadows.clear()
+    _deferred_src.clear()
 
 
 def poison_shadows(value=float("nan")):
     """Fill every shadow buffer, so a row a gather missed cannot pass for a cast one."""
-    for buf in _shadows.values():
+    for buf in list(_shadows.values()) + list(_deferred_shadows.values()):
         buf.fill_(value)
