@@ -24,8 +24,22 @@ from kvpatch.runtime._fused_kernels import _fused_build
 # draft tokens); block_n: KV positions per step; ctas_per_sm: the grid the split count
 # aims at; min_split: fewest positions a split takes before more splits pay.
 FUSED_TUNING = {
-    "small": {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "ctas_per_sm": 2, "min_split": 128},
-    "large": {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 3, "ctas_per_sm": 2, "min_split": 128},
+    "small": {
+        "block_m": 16,
+        "block_n": 64,
+        "num_warps": 4,
+        "num_stages": 2,
+        "ctas_per_sm": 2,
+        "min_split": 128,
+    },
+    "large": {
+        "block_m": 64,
+        "block_n": 64,
+        "num_warps": 8,
+        "num_stages": 3,
+        "ctas_per_sm": 2,
+        "min_split": 128,
+    },
 }  # best of the H200 sweep, GPU run 12 (notes/gpu-runs.md)
 
 _fused_scratch = {}  # (device, rows, splits) -> (partial out fp32, partial lse fp32)
@@ -90,11 +104,20 @@ def fused_mla(
     batch = n_tok // tq
     width = kv_buffer.shape[-1]
     if width != d + dpe:
-        raise ValueError("fused_mla: pool rows are %d wide, q has %d + %d" % (width, d, dpe))
+        raise ValueError(
+            "fused_mla: pool rows are %d wide, q has %d + %d" % (width, d, dpe)
+        )
     kv2 = kv_buffer.view(-1, width)
     if d % 4 or (d // 4) & (d // 4 - 1):
-        raise ValueError("fused_mla: the latent width must be 4 x a power of two (MLA: 512)")
-    if kv2.stride(1) != 1 or q_nope.stride(2) != 1 or q_pe.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError(
+            "fused_mla: the latent width must be 4 x a power of two (MLA: 512)"
+        )
+    if (
+        kv2.stride(1) != 1
+        or q_nope.stride(2) != 1
+        or q_pe.stride(2) != 1
+        or out.stride(2) != 1
+    ):
         raise ValueError("fused_mla: last dims must be contiguous")
     by_indptr = kv_indices is not None
     if by_indptr:
@@ -175,7 +198,9 @@ def fused_mla(
 
 
 _fused_scales = {}
-_fused_last = {}  # the compiled kernels of the last call (benchmarks read registers, spills)
+_fused_last = (
+    {}
+)  # the compiled kernels of the last call (benchmarks read registers, spills)
 
 
 def _fused_scale_tensor(sc, device):
@@ -187,5 +212,7 @@ def _fused_scale_tensor(sc, device):
         return None
     t = _fused_scales.get((device, sc))
     if t is None:
-        t = _fused_scales[(device, sc)] = torch.full((1,), sc, dtype=torch.float32, device=device)
+        t = _fused_scales[(device, sc)] = torch.full(
+            (1,), sc, dtype=torch.float32, device=device
+        )
     return t

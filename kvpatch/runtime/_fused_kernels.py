@@ -33,7 +33,9 @@ alone, and are dropped.
 # FA3 do. Masked or out-of-pool rows are never loaded: poison outside the rows read cannot
 # leak.
 
-_fused_kernels = None  # (split kernel, combine kernel), built on first use; False: no Triton
+_fused_kernels = (
+    None  # (split kernel, combine kernel), built on first use; False: no Triton
+)
 
 
 def _fused_build():
@@ -49,10 +51,16 @@ def _fused_build():
         return _fused_kernels
 
     @triton.jit
-    def _fused_rows(row, cols, ok, DOT_F32: tl.constexpr, EVICT: tl.constexpr, F16: tl.constexpr):
-        x = tl.load(row + cols[None, :], mask=ok[:, None], other=0.0, eviction_policy=EVICT)
+    def _fused_rows(
+        row, cols, ok, DOT_F32: tl.constexpr, EVICT: tl.constexpr, F16: tl.constexpr
+    ):
+        x = tl.load(
+            row + cols[None, :], mask=ok[:, None], other=0.0, eviction_policy=EVICT
+        )
         if F16:
-            x = x.to(tl.float16)  # one cvt.rn.f16x2.e4m3x2 per two values; bf16 takes a second cvt each
+            x = x.to(
+                tl.float16
+            )  # one cvt.rn.f16x2.e4m3x2 per two values; bf16 takes a second cvt each
         else:
             x = x.to(tl.bfloat16)
         if DOT_F32:
@@ -70,7 +78,17 @@ def _fused_build():
 
     @triton.jit
     def _fused_amax(q, rows, cols, ok):
-        return tl.max(tl.max(tl.abs(tl.load(q + rows + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)), 1), 0)
+        return tl.max(
+            tl.max(
+                tl.abs(
+                    tl.load(q + rows + cols[None, :], mask=ok[:, None], other=0.0).to(
+                        tl.float32
+                    )
+                ),
+                1,
+            ),
+            0,
+        )
 
     @triton.jit(do_not_specialize=["n_splits", "n_slots", "table_stride", "min_split"])
     def _fused_split_kernel(
@@ -130,7 +148,9 @@ def _fused_build():
             base = b.to(tl.int64) * table_stride
         kv_len = tl.maximum(kv_len, 0)
         # The split's share: a multiple of BLOCK_N, at least min_split positions.
-        per = tl.cdiv(tl.maximum(tl.cdiv(kv_len, n_splits), min_split), BLOCK_N) * BLOCK_N
+        per = (
+            tl.cdiv(tl.maximum(tl.cdiv(kv_len, n_splits), min_split), BLOCK_N) * BLOCK_N
+        )
         lo = s * per
         hi = tl.minimum(lo + per, kv_len)
         if lo >= hi:
@@ -150,10 +170,15 @@ def _fused_build():
             # f16 dots: FP8 -> f16 is one instruction a pair, and f16 keeps more bits than
             # bf16; q (bf16) may exceed f16's range, so it is scaled by a power of two that
             # puts its largest value at most 2^15 (exact), and the scores are scaled back.
-            amax = tl.maximum(_fused_amax(q_nope, qn_rows, tl.arange(0, D), m_ok), _fused_amax(q_pe, qp_rows, dp, m_ok))
+            amax = tl.maximum(
+                _fused_amax(q_nope, qn_rows, tl.arange(0, D), m_ok),
+                _fused_amax(q_pe, qp_rows, dp, m_ok),
+            )
             e = tl.ceil(tl.log2(tl.maximum(amax, 1e-30))).to(tl.int32) - 14
             e = tl.minimum(tl.maximum(e, -100), 100)
-            q_mul = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, built exactly
+            q_mul = ((127 - e) << 23).to(
+                tl.float32, bitcast=True
+            )  # 2^-e, built exactly
             qk_scale = qk_scale * ((127 + e) << 23).to(tl.float32, bitcast=True)
         q0 = _fused_q(q_nope, qn_rows, c, m_ok, q_mul, DOT_F32, F16)
         q1 = _fused_q(q_nope, qn_rows, C + c, m_ok, q_mul, DOT_F32, F16)
@@ -166,7 +191,9 @@ def _fused_build():
         kpe = 1.0
         if HAS_KPE_SCALE:
             kpe = tl.load(kpe_scale).to(tl.float32)
-        limit = kv_len - TQ + t  # causal: query t sees positions <= limit (bottom-right aligned)
+        limit = (
+            kv_len - TQ + t
+        )  # causal: query t sees positions <= limit (bottom-right aligned)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, C], tl.float32)
@@ -180,13 +207,29 @@ def _fused_build():
             slot = page * PS + pos % PS
             ok = ok & (slot >= 0) & (slot < n_slots)  # never read outside the pool
             row = kv + slot[:, None] * stride_kv
-            qk = tl.dot(q0, tl.trans(_fused_rows(row, c, ok, DOT_F32, "evict_last", F16)))
-            qk = tl.dot(q1, tl.trans(_fused_rows(row, C + c, ok, DOT_F32, "evict_last", F16)), qk)
-            qk = tl.dot(q2, tl.trans(_fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_last", F16)), qk)
-            qk = tl.dot(q3, tl.trans(_fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_last", F16)), qk)
+            qk = tl.dot(
+                q0, tl.trans(_fused_rows(row, c, ok, DOT_F32, "evict_last", F16))
+            )
+            qk = tl.dot(
+                q1,
+                tl.trans(_fused_rows(row, C + c, ok, DOT_F32, "evict_last", F16)),
+                qk,
+            )
+            qk = tl.dot(
+                q2,
+                tl.trans(_fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_last", F16)),
+                qk,
+            )
+            qk = tl.dot(
+                q3,
+                tl.trans(_fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_last", F16)),
+                qk,
+            )
             if HAS_CKV_SCALE:
                 qk = qk * ckv
-            qpe = tl.dot(qp, tl.trans(_fused_rows(row, D + dp, ok, DOT_F32, "evict_last", F16)))
+            qpe = tl.dot(
+                qp, tl.trans(_fused_rows(row, D + dp, ok, DOT_F32, "evict_last", F16))
+            )
             if HAS_KPE_SCALE:
                 qpe = qpe * kpe
             qk = (qk + qpe) * qk_scale
@@ -195,7 +238,9 @@ def _fused_build():
                 keep = keep & (pos[None, :] <= limit[:, None])
             qk = tl.where(keep, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet
+            m_use = tl.where(
+                m_new == float("-inf"), 0.0, m_new
+            )  # a row with nothing seen yet
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -205,13 +250,31 @@ def _fused_build():
                 pb = p.to(tl.bfloat16)
             if DOT_F32:
                 pb = pb.to(tl.float32)
-            acc0 = tl.dot(pb, _fused_rows(row, c, ok, DOT_F32, "evict_first", F16), acc0 * alpha[:, None])
-            acc1 = tl.dot(pb, _fused_rows(row, C + c, ok, DOT_F32, "evict_first", F16), acc1 * alpha[:, None])
-            acc2 = tl.dot(pb, _fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_first", F16), acc2 * alpha[:, None])
-            acc3 = tl.dot(pb, _fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_first", F16), acc3 * alpha[:, None])
+            acc0 = tl.dot(
+                pb,
+                _fused_rows(row, c, ok, DOT_F32, "evict_first", F16),
+                acc0 * alpha[:, None],
+            )
+            acc1 = tl.dot(
+                pb,
+                _fused_rows(row, C + c, ok, DOT_F32, "evict_first", F16),
+                acc1 * alpha[:, None],
+            )
+            acc2 = tl.dot(
+                pb,
+                _fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_first", F16),
+                acc2 * alpha[:, None],
+            )
+            acc3 = tl.dot(
+                pb,
+                _fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_first", F16),
+                acc3 * alpha[:, None],
+            )
             m_i = m_new
         seen = l_i > 0.0
-        inv = ckv / tl.where(seen, l_i, 1.0)  # V is the latent: its scale scales the output
+        inv = ckv / tl.where(
+            seen, l_i, 1.0
+        )  # V is the latent: its scale scales the output
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         prow = (b * TQ * H + m).to(tl.int64) * n_splits + s
         dst = part_o + prow[:, None] * D + c[None, :]
@@ -248,7 +311,9 @@ def _fused_build():
         else:
             kv_len = tl.load(lens + b)
         kv_len = tl.maximum(kv_len, 0)
-        per = tl.cdiv(tl.maximum(tl.cdiv(kv_len, n_splits), min_split), BLOCK_N) * BLOCK_N
+        per = (
+            tl.cdiv(tl.maximum(tl.cdiv(kv_len, n_splits), min_split), BLOCK_N) * BLOCK_N
+        )
         live = tl.cdiv(kv_len, per)
         dn = tl.arange(0, D)
         m_run = float("-inf")

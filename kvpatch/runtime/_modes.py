@@ -213,9 +213,13 @@ def mode():
             )
             resolved = "native" if use_native else "gather"
         elif requested == "fused":
-            resolved = "fused" if _cuda_available() and _triton_available() else "gather"
+            resolved = (
+                "fused" if _cuda_available() and _triton_available() else "gather"
+            )
             if resolved == "gather":
-                logger.warning("KVPATCH_MODE=fused needs CUDA and Triton; using the gathered cast")
+                logger.warning(
+                    "KVPATCH_MODE=fused needs CUDA and Triton; using the gathered cast"
+                )
         elif requested == "native":
             resolved = "native" if _native_available() else "gather"
             if resolved == "gather":
@@ -232,10 +236,19 @@ def mode():
 # The head of the runtime: its docstring, imports, version, __all__, state, probes and
 # mode(). kvpatch/runtime/__init__.py joins it with the parts that follow in PARTS and
 # drops these lines, which let this part read alone: __all__ names what they define.
-from kvpatch.runtime._dispatch import kv_for_kernel, plan_kv_dtype, plan_rows, run_kwargs
+from kvpatch.runtime._dispatch import (
+    kv_for_kernel,
+    plan_kv_dtype,
+    plan_rows,
+    run_kwargs,
+)
 from kvpatch.runtime._gather import gather_cast
 from kvpatch.runtime._pages import kv_pages_for_kernel, page_cast, ragged_pages
 from kvpatch.runtime._reset import poison_shadows, reset
 from kvpatch.runtime._fused import FUSED_TUNING, fused_mla
-from kvpatch.runtime._route import FUSED_AUTO_ROWS, kv_for_routed_kernel, paged_attention
+from kvpatch.runtime._route import (
+    FUSED_AUTO_ROWS,
+    kv_for_routed_kernel,
+    paged_attention,
+)
 from kvpatch.runtime._sparse import kv_rows_at_kernel, kv_rows_deferred

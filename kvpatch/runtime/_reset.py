@@ -7,7 +7,13 @@ part rebinds a name another defines); the imports above the line only let a part
 alone, and are dropped.
 """
 
-from kvpatch.runtime._modes import _probe_cache, _shadow_users, _shadows, _triton_failed, _warned
+from kvpatch.runtime._modes import (
+    _probe_cache,
+    _shadow_users,
+    _shadows,
+    _triton_failed,
+    _warned,
+)
 from kvpatch.runtime._route import _fused_failed
 from kvpatch.runtime._sparse import _deferred_shadows, _deferred_src
 

@@ -9,7 +9,14 @@ alone, and are dropped.
 
 import torch
 
-from kvpatch.runtime._modes import _cuda_available, _device_capability, _FP8, _requested, _warn_once, mode
+from kvpatch.runtime._modes import (
+    _cuda_available,
+    _device_capability,
+    _FP8,
+    _requested,
+    _warn_once,
+    mode,
+)
 from kvpatch.runtime._dispatch import _shadow
 from kvpatch.runtime._gather import _rows
 from kvpatch.runtime._pages import page_cast
@@ -35,12 +42,29 @@ FUSED_AUTO_ROWS = {(9, 0): 16}
 # FA3's flash_attn_with_kvcache: arguments the fused path reads (values checked below) and
 # arguments that only steer the original kernel's scheduling. Any other argument with a
 # value other than its default keeps the call on the original kernel.
-_FA3_READ = ("q", "k_cache", "v_cache", "qv", "page_table", "cache_seqlens", "cu_seqlens_q", "max_seqlen_q",
-             "softmax_scale", "causal", "out")
+_FA3_READ = (
+    "q",
+    "k_cache",
+    "v_cache",
+    "qv",
+    "page_table",
+    "cache_seqlens",
+    "cu_seqlens_q",
+    "max_seqlen_q",
+    "softmax_scale",
+    "causal",
+    "out",
+)
 _FA3_STEERING = ("num_splits", "pack_gqa", "sm_margin", "scheduler_metadata")
-_FA3_DEFAULTS = {"window_size": ((-1, -1), [-1, -1]), "softcap": (0.0, 0), "return_softmax_lse": (False,),
-                 "attention_chunk": (0, None)}
-_fused_failed = set()  # (device, heads, tq) whose fused launch raised: gather from then on
+_FA3_DEFAULTS = {
+    "window_size": ((-1, -1), [-1, -1]),
+    "softcap": (0.0, 0),
+    "return_softmax_lse": (False,),
+    "attention_chunk": (0, None),
+}
+_fused_failed = (
+    set()
+)  # (device, heads, tq) whose fused launch raised: gather from then on
 
 
 def kv_for_routed_kernel(kv_buffer, q_dtype):
@@ -66,9 +90,15 @@ def paged_attention(kernel, *args, **kw):
     if shape is not None and _want_fused(pool.device, *shape[:2]):
         try:
             return _fused_fa3(kw, pool, *shape)
-        except Exception as exc:  # a compile or launch failure: the gathered path from now on
+        except (
+            Exception
+        ) as exc:  # a compile or launch failure: the gathered path from now on
             _fused_failed.add((pool.device, shape[0], shape[1]))
-            _warn_once(("fused", type(exc).__name__), "kvpatch: fused attention failed (%s); gathering", exc)
+            _warn_once(
+                ("fused", type(exc).__name__),
+                "kvpatch: fused attention failed (%s); gathering",
+                exc,
+            )
     return kernel(**_gathered(kw, pool))
 
 
@@ -94,9 +124,18 @@ def _pool_of(k, v):
         return None
     row = k.stride(1)
     width = v.shape[-1] + k.shape[-1]
-    if not (same and row == width and v.stride(1) == row and k.stride(0) == v.stride(0) == row * k.shape[1]
-            and k.stride(-1) == 1 and v.stride(-1) == 1 and k.shape[:3] == v.shape[:3] and k.shape[2] == 1
-            and k.storage_offset() == v.storage_offset() + v.shape[-1] and v.storage_offset() % row == 0):
+    if not (
+        same
+        and row == width
+        and v.stride(1) == row
+        and k.stride(0) == v.stride(0) == row * k.shape[1]
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and k.shape[:3] == v.shape[:3]
+        and k.shape[2] == 1
+        and k.storage_offset() == v.storage_offset() + v.shape[-1]
+        and v.storage_offset() % row == 0
+    ):
         return None
     slots = v.shape[0] * v.shape[1]
     return v.as_strided((slots, width), (row, 1), v.storage_offset())
@@ -111,20 +150,51 @@ def _fused_shape(kw, pool):
         return None
     if any(name not in _FA3_READ + _FA3_STEERING + tuple(_FA3_DEFAULTS) for name in kw):
         return None
-    if any(kw.get(name) is not None for name in ("k", "v", "q_descale", "k_descale", "v_descale", "cu_seqlens_k_new",
-                                                    "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
-                                                    "sinks")):
+    if any(
+        kw.get(name) is not None
+        for name in (
+            "k",
+            "v",
+            "q_descale",
+            "k_descale",
+            "v_descale",
+            "cu_seqlens_k_new",
+            "rotary_cos",
+            "rotary_sin",
+            "cache_batch_idx",
+            "cache_leftpad",
+            "sinks",
+        )
+    ):
         return None
-    q, qv, pt, sl = kw.get("q"), kw.get("qv"), kw.get("page_table"), kw.get("cache_seqlens")
-    if not all(isinstance(t, torch.Tensor) for t in (q, qv, pt, sl)) or pt.dim() != 2 or sl.dim() != 1:
+    q, qv, pt, sl = (
+        kw.get("q"),
+        kw.get("qv"),
+        kw.get("page_table"),
+        kw.get("cache_seqlens"),
+    )
+    if (
+        not all(isinstance(t, torch.Tensor) for t in (q, qv, pt, sl))
+        or pt.dim() != 2
+        or sl.dim() != 1
+    ):
         return None
-    if q.dtype is not torch.bfloat16 or qv.dtype is not q.dtype or q.dim() != 3 or qv.dim() != 3:
+    if (
+        q.dtype is not torch.bfloat16
+        or qv.dtype is not q.dtype
+        or q.dim() != 3
+        or qv.dim() != 3
+    ):
         return None
     if not isinstance(kw.get("softmax_scale"), float) or q.shape[1] != qv.shape[1]:
         return None
     out = kw.get("out")
-    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != qv.shape or out.dtype != qv.dtype
-                            or out.stride(-1) != 1):
+    if out is not None and (
+        not isinstance(out, torch.Tensor)
+        or out.shape != qv.shape
+        or out.dtype != qv.dtype
+        or out.stride(-1) != 1
+    ):
         return None
     tokens, heads, batch = q.shape[0], q.shape[1], pt.shape[0]
     if kw.get("cu_seqlens_q") is None:
@@ -153,10 +223,23 @@ def _fused_fa3(kw, pool, heads, tq, batch):
     q_pe, q_nope = kw["q"], kw["qv"]
     out = kw.get("out")
     if out is None:  # FA3 allocates its output per call too
-        out = torch.empty((q_nope.shape[0], heads, q_nope.shape[-1]), dtype=q_nope.dtype, device=q_nope.device)
-    fused_mla(q_nope, q_pe, pool, out, kw["softmax_scale"], page_table=kw["page_table"],
-              cache_seqlens=kw["cache_seqlens"], page_size=kw["v_cache"].shape[1], q_per_request=tq,
-              causal=bool(kw.get("causal", False)))
+        out = torch.empty(
+            (q_nope.shape[0], heads, q_nope.shape[-1]),
+            dtype=q_nope.dtype,
+            device=q_nope.device,
+        )
+    fused_mla(
+        q_nope,
+        q_pe,
+        pool,
+        out,
+        kw["softmax_scale"],
+        page_table=kw["page_table"],
+        cache_seqlens=kw["cache_seqlens"],
+        page_size=kw["v_cache"].shape[1],
+        q_per_request=tq,
+        causal=bool(kw.get("causal", False)),
+    )
     return out
 
 
@@ -166,10 +249,15 @@ def _gathered(kw, pool):
     k, v, q = kw["k_cache"], kw["v_cache"], kw["q"]
     pt, sl = kw.get("page_table"), kw.get("cache_seqlens")
     if pool is None or not isinstance(pt, torch.Tensor) or _rows(pool) is None:
-        _warn_once(("route-whole",), "kvpatch: routed call's caches not traced to one pool; casting them whole")
+        _warn_once(
+            ("route-whole",),
+            "kvpatch: routed call's caches not traced to one pool; casting them whole",
+        )
         return _cast_fp8_args(kw, q)
     shadow = _shadow(pool, q.dtype)
-    page_cast(pool, shadow, pt, sl if isinstance(sl, torch.Tensor) else None, v.shape[1])
+    page_cast(
+        pool, shadow, pt, sl if isinstance(sl, torch.Tensor) else None, v.shape[1]
+    )
     base = pool.storage_offset()
     out = dict(kw)
     for name, t in (("k_cache", k), ("v_cache", v)):
