@@ -94,10 +94,10 @@ fz.fused_mla(qn, qp, pool, out, 0.1, page_table=pt, cache_seqlens=sl, page_size=
              causal=True, ckv_scale=0.5, kpe_scale=torch.tensor([2.0]), config=cfg, n_splits=2)
 table_rows = lambda b: pt[b, torch.arange(int(sl[b])) // ps].long() * ps + torch.arange(int(sl[b])) % ps
 print("table", err(out, fused_reference(qn, qp, pool, 0.1, table_rows, 2, True, 0.5, 2.0)))
-# q beyond f16's range (65504): the f16 dots take q scaled by a power of two
+# q beyond f16's range (65504): the f16 dots (not the default yet) take q scaled by a power of two
 big = 3.0e5
 fz.fused_mla(qn * big, qp * big, pool, out, 0.1 / big, kv_indptr=indptr, kv_indices=perm, q_per_request=2,
-             causal=True, config=cfg, n_splits=3)
+             causal=True, config=dict(cfg, f16=True), n_splits=3)
 print("bigq", err(out, fused_reference(qn * big, qp * big, pool, 0.1 / big, rows, 2, True)))
 """
 
