@@ -481,3 +481,17 @@ def test_a_stale_ref_lock_is_named_before_recover_touches_anything(tmp_path, out
     lock.unlink()
     assert run("recover", root).exit_code == 0
     assert whole(root)[0] == before[0] and whole(root)[1] == before[1]
+
+
+def test_a_branch_lock_no_rollback_step_writes_is_still_named(tmp_path):
+    """apply killed while git created its branch leaves refs/heads/<branch>.lock; recover names it
+    (seen in CI as a rare kill instant of test_kill_at_a_random_instant) instead of rolling back
+    past it, so the next apply does not fail on it half-way."""
+    from kvpatch.checkout.gittxn import GitUndoError, _refuse_stale_locks
+
+    lock = tmp_path / "refs" / "heads" / "kvpatch" / "fp8-kv.lock"
+    lock.parent.mkdir(parents=True)
+    _refuse_stale_locks(tmp_path, [("reset", ["reset", "-q", "HEAD"])])  # no lock yet: nothing raised
+    lock.write_text("")
+    with pytest.raises(GitUndoError, match="fp8-kv.lock"):
+        _refuse_stale_locks(tmp_path, [("reset", ["reset", "-q", "HEAD"])])

@@ -123,6 +123,11 @@ def _refuse_stale_locks(git_dir: Path, steps: List[Tuple[str, List[str]]]) -> No
     locks = [INDEX_LOCK, f"{PACKED_REFS}.lock"]
     for _, args in steps:
         locks += [f"{a}.lock" for a in args if a == "HEAD" or a.startswith(HEADS)]
+    # A branch lock no step writes is named too: apply killed while creating its branch
+    # leaves refs/heads/<branch>.lock, and the next apply would fail on it half-way.
+    heads = git_dir / HEADS
+    if heads.is_dir():
+        locks += sorted(p.relative_to(git_dir).as_posix() for p in heads.rglob("*.lock") if p.is_file())
     for name in dict.fromkeys(locks):
         if (git_dir / name).exists():
             raise GitUndoError(f"{git_dir / name} exists (a git command was killed while writing it): "
