@@ -18,7 +18,6 @@ from kvpatch.runtime._modes import (
     mode,
 )
 from kvpatch.runtime._dispatch import _shadow
-from kvpatch.runtime._gather import _rows
 from kvpatch.runtime._pages import page_cast
 from kvpatch.runtime._fused import fused_mla
 
@@ -248,7 +247,7 @@ def _gathered(kw, pool):
     the pages its own table lists were cast; whole casts where that cannot be done."""
     k, v, q = kw["k_cache"], kw["v_cache"], kw["q"]
     pt, sl = kw.get("page_table"), kw.get("cache_seqlens")
-    if pool is None or not isinstance(pt, torch.Tensor) or _rows(pool) is None:
+    if pool is None or not isinstance(pt, torch.Tensor):
         _warn_once(
             ("route-whole",),
             "kvpatch: routed call's caches not traced to one pool; casting them whole",
