@@ -49,6 +49,14 @@ RAGGED_KERNELS: Dict[str, tuple] = {
                                "alibi_slopes", "kv_cache_dtype", "kv_cache_layout", "logits_soft_cap", "k_scale",
                                "v_scale", "fp8_out_scale", "partition_size", "mtp"),
 }
+# Page-table kernels whose whole call the runtime can serve (runtime paged_attention: the
+# fused FP8 attention, else the gathered pages and the kernel itself), with the keyword
+# that marks the call it serves: FA3's absorbed-MLA form, the latent cache as v_cache and
+# the latent query as qv.
+ROUTABLE_KERNELS: Dict[str, str] = {"flash_attn_with_kvcache": "qv"}
+# The view ops a routed call's caches may pass through: each keeps a view of the pool
+# (no copy), so the runtime can recover the pool from the two caches.
+ROUTABLE_VIEWS = ("view",)
 RAGGED_CACHES = ("key_cache", "value_cache")
 RAGGED_LAYOUT = ("kv_cache_layout", "NHD")  # the layout whose dim 1 is the block
 # Kernels that take the ragged page list with rank-3 caches, one slot per page: aiter's

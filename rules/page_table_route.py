@@ -1,0 +1,192 @@
+"""KVP105 page-table-route: FA3's absorbed-MLA call, routed through the runtime.
+
+KVP103 casts only the pages a page-table kernel reads; the kernel still reads a bf16 copy
+of each (576 B read, 1,152 B written, 1,152 B read again a row). Where every reader of
+the cast is a call the runtime can serve whole (`ROUTABLE_KERNELS`: FA3's
+`flash_attn_with_kvcache(q=, k_cache=, v_cache=, qv=, page_table=, cache_seqlens=, ...)`,
+by keyword), the cast hands the pool on as stored and each call goes through the runtime:
+
+    kv_cache = _kvpatch_rt.kv_for_routed_kernel(pool, q.dtype)
+    ...
+    o = _kvpatch_rt.paged_attention(flash_attn_with_kvcache, q=..., k_cache=..., ...)
+
+Per call, the runtime runs the fused FP8 attention (it reads the 576 FP8 bytes of each
+row the call's table lists, nothing else) when the call is one it computes exactly and
+KVPATCH_MODE picks it, else casts the pages of the call's own table and runs the
+original kernel on them (KVP103's result, one call at a time). KVPATCH_MODE=off casts the
+whole pool at the cast, as the original did.
+
+The caches may pass only through `.view(...)` (and slices) on the way: the runtime finds
+the pool again from the two views, and a copy would hide it. Anything else, a reader
+that is not a routable call, a positional argument, a call in a nested scope: not this
+rule's, and KVP103 decides as before.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional
+
+import libcst as cst
+
+from kvpatch.analysis.candidates import CastCandidate
+from kvpatch.analysis.match import Consumer, UnitContext, consumer_names
+from kvpatch.analysis.pagedcall import CACHE_KEYWORDS, ROUTABLE_KERNELS, ROUTABLE_VIEWS, is_cache_arg, kernel_name, kw
+from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder
+from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid, refuse_unless_plain_cast
+from kvpatch.sites import HOT
+
+from ._page_table_examples import CP_EXTEND, FA3_DECODE, RT, XPU_DECODE
+
+ROUTED_CAST = '''        kv_cache = _kvpatch_rt.kv_for_routed_kernel(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id), q.dtype
+        )
+'''
+
+
+def _routed(src: str) -> str:
+    out = src.replace("        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)\n",
+                      ROUTED_CAST)
+    return RT + re.sub(r"= flash_attn_with_kvcache\(\n( +)", r"= _kvpatch_rt.paged_attention(\n\1flash_attn_with_kvcache,\n\1",
+                       out)
+
+
+FA3_ONE_LINE = '''
+class FlashAttentionBackend:
+    def forward_decode(self, q, layer, metadata):
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)  # FP8 -> bf16
+        c_kv = kv_cache[:, :, :512].view(-1, self.page_size, 1, 512)
+        k_pe = kv_cache[:, :, 512:].view(-1, self.page_size, 1, 64)
+        return flash_attn_with_kvcache(q=q[..., 512:], k_cache=k_pe, v_cache=c_kv, qv=q[..., :512],
+                                       page_table=metadata.page_table, cache_seqlens=metadata.seqlens)
+'''
+
+
+class PageTableRoute(Rule):
+    ID = "KVP105"
+    NAME = "page-table-route"
+    SUMMARY = "FA3 absorbed-MLA call on a full-pool cast -> runtime-routed call (fused FP8 attention or gathered pages)"
+    KIND = "cast"
+    PRIORITY = 15  # before KVP103: a site both can rewrite is routed
+    EMITS = ("kv_for_routed_kernel", "paged_attention")
+    CHECKED_ON = ("sglang 4ad990ba7 (2026-08-06)", "sglang 0.5.16", "sglang 0.5.23")
+
+    VALID = (
+        Valid(
+            '''
+class FlashAttentionBackend:
+    def forward_decode(self, q, layer, metadata):
+        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        return flash_attn_with_kvcache(q=q, k_cache=kv_cache[:, :, 512:].view(-1, 1, 1, 64),
+                                       v_cache=kv_cache[:, :, :512].view(-1, 1, 1, 512), qv=q,
+                                       page_table=metadata.page_table, cache_seqlens=metadata.seqlens)
+''',
+            why="no cast: the FP8 pool reaches the kernel as stored",
+        ),
+    )
+
+    INVALID = (
+        Invalid(
+            FA3_DECODE,
+            expected=_routed(FA3_DECODE),
+            status="hot",
+            why="FA3 absorbed-MLA decode (main call and the spec-decode cascade call): both route through the "
+                "runtime, each with its own table",
+        ),
+        Invalid(
+            FA3_ONE_LINE,
+            expected=RT + FA3_ONE_LINE.replace(
+                "kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)  # FP8 -> bf16",
+                "kv_cache = _kvpatch_rt.kv_for_routed_kernel(\n"
+                "            self.token_to_kv_pool.get_key_buffer(layer.layer_id), q.dtype  # FP8 -> bf16\n"
+                "        )").replace("return flash_attn_with_kvcache(q=q[..., 512:]",
+                                    "return _kvpatch_rt.paged_attention(flash_attn_with_kvcache, q=q[..., 512:]"),
+            status="hot",
+            why="a call on one line gets the kernel as its first argument; the cast's comment is kept",
+        ),
+        Invalid(
+            FA3_ONE_LINE.replace("qv=q[..., :512],", ""),
+            expected=None,
+            status="hot",
+            why="no qv=: not the absorbed-MLA call the runtime serves (left to KVP103)",
+        ),
+        Invalid(
+            FA3_ONE_LINE.replace("].view(-1, self.page_size, 1, 512)", "].reshape(-1, self.page_size, 1, 512)"),
+            expected=None,
+            status="hot",
+            why="a reshape may copy: the runtime could not find the pool again (left to KVP103)",
+        ),
+        Invalid(CP_EXTEND, expected=None, status="hot",
+                why="a nested closure reads the caches: not routed (KVP103 casts its table whole)"),
+        Invalid(XPU_DECODE, expected=None, status="hot",
+                why="sgl-kernel's XPU flash_mla_decode is not a routable kernel (KVP103 casts its pages)"),
+    )
+
+    # -- recognise ----------------------------------------------------------
+    def patched(self, call: cst.Call, ctx: UnitContext) -> Optional[Patched]:
+        func = call.func
+        if isinstance(func, cst.Attribute) and func.attr.value == self.EMITS[0] and len(call.args) == 2:
+            return Patched(call, call.args[0].value, call.args[1].value,
+                           "kvpatch's routed kernel call is in place (fused FP8 attention or gathered pages)")
+        return None
+
+    # -- decide -------------------------------------------------------------
+    def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
+        calls = _routable_calls(cand.consumers, ctx)
+        if calls is None or refuse_unless_plain_cast(cand, ctx):
+            return None  # KVP103 (or another rule) decides
+        edits = [ReplaceNode(ctx.unit.qualname, cand.call,
+                             cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{self.EMITS[0]}"))]
+        edits += [ReplaceNode(ctx.unit.qualname, call, _route_builder(f"{RUNTIME_ALIAS}.{self.EMITS[1]}"))
+                  for call in calls]
+        return Decision(
+            HOT,
+            f"full-pool cast read only by {consumer_names(cand.consumers, ctx)} (absorbed MLA): the pool goes on "
+            f"as stored and each call is routed through the runtime (fused FP8 attention, or the pages of its "
+            f"own table cast and the kernel run on them)",
+            edits + [NeedRuntime()],
+        )
+
+
+def _routable_calls(consumers: List[Consumer], ctx: UnitContext) -> Optional[List[cst.Call]]:
+    """The distinct calls the cast reaches, when every reader is a k_cache or v_cache of a
+    routable kernel call by keyword, through views only, and each call takes both caches
+    from this cast; else None."""
+    calls: List[cst.Call] = []
+    seen = {}
+    for c in consumers:
+        if c.kind != "call" or c.call is None or c.keyword not in CACHE_KEYWORDS:
+            return None
+        name = kernel_name(c.call)
+        if name not in ROUTABLE_KERNELS or kw(c.call, ROUTABLE_KERNELS[name]) is None:
+            return None
+        if not is_cache_arg(c.call, c.keyword, c.arg_index) or ctx.in_nested_scope(c.call):
+            return None
+        if any(a.keyword is None and not a.star for a in c.call.args) or isinstance(c.call.func, cst.Call):
+            return None
+        if any(not (isinstance(v.func, cst.Attribute) and v.func.attr.value in ROUTABLE_VIEWS) for v in c.views):
+            return None
+        seen.setdefault(id(c.call), set()).add(c.keyword)
+        if all(x is not c.call for x in calls):
+            calls.append(c.call)
+    if not calls or any(seen[id(call)] != set(CACHE_KEYWORDS) for call in calls):
+        return None
+    return calls
+
+
+def _route_builder(func: str):
+    """`kernel(args)` -> `func(kernel, args)`, the kernel on its own line where the
+    arguments start on a new line, else in front of them on the same line."""
+    alias, name = func.split(".")
+
+    def build(updated: cst.Call) -> cst.Call:
+        ws = updated.whitespace_before_args
+        if isinstance(ws, cst.ParenthesizedWhitespace):
+            after = ws.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+        else:
+            after = cst.SimpleWhitespace(" ")
+        first = cst.Arg(value=updated.func, comma=cst.Comma(whitespace_after=after))
+        return updated.with_changes(func=cst.Attribute(value=cst.Name(alias), attr=cst.Name(name)),
+                                    args=[first, *updated.args])
+
+    return build
