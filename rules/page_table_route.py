@@ -1,4 +1,4 @@
-"""KVP105 page-table-route: FA3's absorbed-MLA call, routed through the runtime.
+"""KVP106 page-table-route: FA3's absorbed-MLA call, routed through the runtime.
 
 KVP103 casts only the pages a page-table kernel reads; the kernel still reads a bf16 copy
 of each (576 B read, 1,152 B written, 1,152 B read again a row). Where every reader of
@@ -63,7 +63,7 @@ class FlashAttentionBackend:
 
 
 class PageTableRoute(Rule):
-    ID = "KVP105"
+    ID = "KVP106"
     NAME = "page-table-route"
     SUMMARY = "FA3 absorbed-MLA call on a full-pool cast -> runtime-routed call (fused FP8 attention or gathered pages)"
     KIND = "cast"
