@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Verify real patched SGLang checkouts on a GPU, production-sized.
 
-    python3 gpu/verify_real.py CHECKOUT [CHECKOUT ...] [--modes gather,native] [--no-graph]
+    python3 gpu/verify_real.py CHECKOUT [CHECKOUT ...] [--modes gather,native,fused] [--no-graph]
                                [--medium] [--unified] [--dcp N] [--out DIR]
 
 Each CHECKOUT is a tree patched by `kvpatch apply` (with .kvpatch/state.json and
@@ -35,7 +35,7 @@ from kvpatch.verify.world import BIG_SHAPES, GPU_SHAPES  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("roots", nargs="+", type=Path)
-    ap.add_argument("--modes", default="gather,native")
+    ap.add_argument("--modes", default="gather,native,fused")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--medium", action="store_true", help="the smaller default GPU shapes")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "verify_out")))

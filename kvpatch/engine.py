@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import libcst as cst
 
+from kvpatch import selection
 from kvpatch.analysis import discover, suppress
 from kvpatch.analysis.candidates import CastCandidate, PlanCandidate, bind_plan_args, calls_in, is_mla_plan
 from kvpatch.analysis.classify import prove_noop, unreachable
@@ -132,62 +133,11 @@ def _analyze_source(rel: str, data: bytes, rules: Sequence[Rule]) -> FileAnalysi
         ctx = UnitContext(pu, file_ctx)
         _analyze_unit(fa, ctx, rules, cast_rules, fallback, plan_rules)
     suppress.apply(fa, tree)  # before pairing: a suppressed cast rewrites nothing, nor do its plans
-    _pair_rules(fa)
-    _select(fa, rules)
+    selection.pair(fa)
+    selection.select(fa, rules)
     fa.sites.sort(key=lambda s: (s.line, s.column))
     fa.plans.sort(key=lambda p: p.line)
     return fa
-
-
-def _select(fa: FileAnalysis, rules: Sequence[Rule]) -> None:
-    """--rules limits what is reported and rewritten, never a verdict: every
-    rule decided above; the findings of rules left out are dropped here."""
-    off = {r.ID for r in rules if not r.enabled}
-    if off:
-        for d in fa.decided:
-            if d.rule is None or d.decision is None or not d.decision.fixable:
-                continue
-            left_out = next((i for i in (d.rule.ID, d.rule.PAIRS_WITH) if i in off), None)
-            if left_out:  # the verdict stands; nothing is rewritten
-                d.decision = Decision(d.decision.status, d.decision.reason, [], d.decision.notes
-                                      + [f"not rewritten: {left_out} is not among the selected rules"])
-                d.record.fixable = False
-                if isinstance(d.record, Site):
-                    d.record.notes.append(d.decision.notes[-1])
-        fa.sites = [s for s in fa.sites if s.rule not in off]
-        fa.plans = [p for p in fa.plans if p.rule not in off]
-        fa.decided = [d for d in fa.decided if d.rule is None or d.rule.ID not in off]
-
-
-def _pair_rules(fa: FileAnalysis) -> None:
-    """Drop the rewrites of a rule whose NEEDS_ALL rule cannot rewrite some finding
-    in this file, then those of a rule whose partner rule changes nothing here."""
-    from kvpatch.sites import PLAN_IGNORED, PLAN_PATCHED, PLAN_REWRITE, UNSUPPORTED
-
-    records = list(fa.sites) + list(fa.plans)
-    for d in fa.decided:
-        needed = getattr(d.rule, "NEEDS_ALL", None)
-        if not needed or d.decision is None or not d.decision.fixable:
-            continue
-        stuck = [r for r in records if r.rule == needed and not r.fixable
-                 and r.status not in (PATCHED, PLAN_PATCHED)]
-        if stuck:
-            r = stuck[0]
-            reason = (f"left as is: {needed} cannot rewrite line {r.line} ({r.reason}), so the runtime "
-                      f"would not learn every row the kernel reads")
-            d.decision = Decision(UNSUPPORTED, reason)
-            d.record.status, d.record.reason, d.record.fixable = UNSUPPORTED, reason, False
-    for d in fa.decided:
-        partner = getattr(d.rule, "PAIRS_WITH", None)
-        if not partner or d.decision is None or not d.decision.fixable:
-            continue
-        if any(s.rule == partner and (s.fixable or s.status == PATCHED) for s in fa.sites):
-            continue
-        reason = (f"left as is: no {partner} cast is rewritten or patched in this file, so run() still "
-                  f"receives what this plan declares")
-        status = PLAN_IGNORED if d.decision.status == PLAN_REWRITE else HOT
-        d.decision = Decision(status, reason)
-        d.record.status, d.record.reason, d.record.fixable = status, reason, False
 
 
 def _site(ctx: UnitContext, node: cst.CSTNode, *, buffer: str, dtype: str, form: str, kernel: str,
@@ -284,7 +234,8 @@ def _decide_cast(fa: FileAnalysis, ctx: UnitContext, cand: CastCandidate, cast_r
             decision, rule = Decision(NOOP, verdict.reason), fallback
         else:
             cand.guard_note = verdict.reason
-            rule, decision = _first(cast_rules, "decide", cand, ctx)
+            rule, decision = selection.hand_on(cast_rules, *_first(cast_rules, "decide", cand, ctx),
+                                               lambda later: _first(later, "decide", cand, ctx))
     if decision is None and fallback is not None:
         decision, rule = fallback.decide(cand, ctx), fallback
     if decision is None:

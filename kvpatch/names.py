@@ -42,6 +42,11 @@ RUNTIME_FILENAME = RUNTIME_MODULE + ".py"
 RUNTIME_ALIAS = "_kvpatch_rt"  # `from . import _kvpatch_runtime as _kvpatch_rt`
 RUNTIME_VERSION_VAR = "__kvpatch_runtime_version__"
 KVPATCH_VERSION_VAR = "__kvpatch_version__"
+# The runtime's mode switch, and the modes verify drives (the runtime itself, which
+# imports nothing of kvpatch, lists its own in runtime/_modes.py: test_runtime_parts
+# checks the two agree).
+MODE_ENV = "KVPATCH_MODE"
+MODE_AUTO, MODE_FUSED, MODE_GATHER, MODE_NATIVE = "auto", "fused", "gather", "native"
 
 # Byte markers of a file that may hold a site: a KV-buffer read, or kvpatch's
 # own rewrite (which imports the runtime module and calls through its alias).

@@ -41,6 +41,10 @@ class Invalid:
     expected: Optional[str] = None
     status: str = HOT
     why: str = ""
+    # With every rule loaded, a rule that runs earlier (lower PRIORITY) decides this site
+    # first: its ID. The example then holds for this rule alone, and with all rules the
+    # named rule must rewrite the site (its own examples pin the text).
+    preempted_by: str = ""
 
 
 Example = Union[Valid, Invalid]
@@ -244,7 +248,9 @@ def load_rules(select: Optional[Sequence[str]] = None) -> List[Rule]:
 
     `select` names (by ID or NAME) the rules that may rewrite; every rule
     still decides, so a subset never changes a verdict, only what ``apply``
-    touches (the others are returned with ``enabled = False``). An unknown
+    touches and which rule rewrites (the others are returned with ``enabled =
+    False``; a site one of them would rewrite goes to a later selected rule that
+    rewrites it too, as KVP103 does the FA3 calls KVP106 would route). An unknown
     name raises KeyError naming the known ones.
     """
     found: List[Type[Rule]] = [c for m in _modules() for c in _rule_classes(m)]

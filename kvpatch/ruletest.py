@@ -8,6 +8,7 @@ returns None when the example holds, else one line saying what went wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence
@@ -15,7 +16,7 @@ from typing import Iterator, List, Optional, Sequence
 from kvpatch.engine import FileAnalysis, analyze_source
 from kvpatch.rewrite.transform import plan_rewrite
 from kvpatch.rule import Example, Rule
-from kvpatch.sites import NEEDS_ACTION, PATCHED, PLAN_PATCHED, PLAN_REWRITE, Record
+from kvpatch.sites import HOT, NEEDS_ACTION, PATCHED, PLAN_PATCHED, PLAN_REWRITE, Record
 
 REL = "python/sglang/srt/layers/attention/example_backend.py"
 VALID, INVALID = "VALID", "INVALID"
@@ -72,6 +73,13 @@ def check(case: Case, rules: Sequence[Rule]) -> Optional[str]:
     fa = analyze_source(REL, code.encode(), use)
     if fa.errors:
         return f"analysis errors: {[e.message for e in fa.errors]}"
+    if case.kind == INVALID and ex.preempted_by and not case.alone:
+        rule = next((r for r in use if r.ID == ex.preempted_by), None)
+        if rule is None:
+            return f"preempted_by names {ex.preempted_by!r}, which is not loaded"
+        if not _decided_by(fa, rule):
+            return f"{ex.preempted_by} should decide this site first, with every rule loaded; it does not"
+        ex = dataclasses.replace(ex, expected=None, status=HOT)  # it must rewrite the site
     mine = _decided_by(fa, rule)
     rw = plan_rewrite(fa, use)
     if case.kind == VALID:
@@ -81,11 +89,11 @@ def check(case: Case, rules: Sequence[Rule]) -> Optional[str]:
         return "a VALID example must not be rewritten" if rw is not None else None
     if not any(r.status == ex.status for r in mine):
         return f"should report status {ex.status!r} ({ex.why}); got {[(r.status, r.reason) for r in mine]}"
-    if ex.expected is None:
+    if ex.expected is None and (case.alone or not ex.preempted_by):
         return "a report-only example must not be rewritten" if any(r.fixable for r in mine) else None
     if rw is None:
         return "expected a rewrite, got none"
-    if rw.new_text != textwrap.dedent(ex.expected):
+    if ex.expected is not None and rw.new_text != textwrap.dedent(ex.expected):
         import difflib
 
         diff = difflib.unified_diff(textwrap.dedent(ex.expected).splitlines(), rw.new_text.splitlines(),

@@ -114,6 +114,7 @@ class FlashAttentionBackend:
                 FA3_PATCHED_CAST),
             status="hot",
             why="SGLang 0.5.23 shapes the pages with `paged_view(x, page_size)` instead of `.view(-1, page_size, ...)`",
+            preempted_by="KVP106",  # routed: each call brings its own table
         ),
         Invalid(
             FA3_DECODE,
@@ -122,6 +123,7 @@ class FlashAttentionBackend:
                 FA3_PATCHED_CAST),
             status="hot",
             why="FA3 absorbed-MLA decode (HEAD shape): the main call and the cascade call each give a table",
+            preempted_by="KVP106",  # routed: each call brings its own table
         ),
         Invalid(
             FA3_DECODE.replace("        k_rope = kv_cache", "        metadata = self.other_metadata\n"
@@ -129,11 +131,13 @@ class FlashAttentionBackend:
             status="unsupported",
             why="`metadata` is rebound between the cast and the kernel call: the table read at the cast "
                 "would not be the kernel's",
+            preempted_by="KVP106",  # routed: each call brings its own table
         ),
         Invalid(
             FA3_DECODE.replace("self.page_size, layer.tp_k_head_num, 64)", "self.page_size_k, layer.tp_k_head_num, 64)"),
             status="unsupported",
             why="the two caches are viewed with different page sizes",
+            preempted_by="KVP106",  # routed: each call brings its own table
         ),
         Invalid(
             CP_EXTEND,

@@ -16,7 +16,7 @@ KVPATCH_MODE picks it, else casts the pages of the call's own table and runs the
 original kernel on them (KVP103's result, one call at a time). KVPATCH_MODE=off casts the
 whole pool at the cast, as the original did.
 
-The caches may pass only through `.view(...)` (and slices) on the way: the runtime finds
+The caches may pass only through `.view(...)`, SGLang's `paged_view` and slices on the way: the runtime finds
 the pool again from the two views, and a copy would hide it. Anything else, a reader
 that is not a routable call, a positional argument, a call in a nested scope: not this
 rule's, and KVP103 decides as before.
@@ -31,15 +31,18 @@ import libcst as cst
 
 from kvpatch.analysis.candidates import CastCandidate
 from kvpatch.analysis.match import Consumer, UnitContext, consumer_names
-from kvpatch.analysis.pagedcall import CACHE_KEYWORDS, ROUTABLE_KERNELS, ROUTABLE_VIEWS, is_cache_arg, kernel_name, kw
+from kvpatch.analysis.pagedcall import CACHE_KEYWORDS, ROUTABLE_KERNELS, ROUTABLE_VIEWS, is_cache_arg, kernel_name, kw, walk
+from kvpatch.analysis.stable import nested_scopes
+from kvpatch.analysis.tensorops import VIEW_FUNCTIONS
 from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid, refuse_unless_plain_cast
 from kvpatch.sites import HOT
 
-from ._page_table_examples import CP_EXTEND, FA3_DECODE, RT, XPU_DECODE
+from ._page_table_examples import FA3_DECODE, RT
 
 ROUTED_CAST = '''        kv_cache = _kvpatch_rt.kv_for_routed_kernel(
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id), q.dtype
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            q.dtype,
         )
 '''
 
@@ -94,32 +97,38 @@ class FlashAttentionBackend:
                 "runtime, each with its own table",
         ),
         Invalid(
+            FA3_DECODE.replace("k_rope.view(-1, self.page_size, layer.tp_k_head_num, 64)",
+                               "paged_view(k_rope, self.page_size)")
+                      .replace("c_kv.view(-1, self.page_size, layer.tp_v_head_num, layer.v_head_dim)",
+                               "paged_view(c_kv, self.page_size)"),
+            expected=_routed(FA3_DECODE.replace("k_rope.view(-1, self.page_size, layer.tp_k_head_num, 64)",
+                                                "paged_view(k_rope, self.page_size)")
+                                       .replace("c_kv.view(-1, self.page_size, layer.tp_v_head_num, layer.v_head_dim)",
+                                                "paged_view(c_kv, self.page_size)")),
+            status="hot",
+            why="SGLang 0.5.23 shapes the pages with `paged_view(x, page_size)`, an as_strided view of the pool",
+        ),
+        Invalid(
+            FA3_DECODE.replace("        k_rope = kv_cache", "        metadata = self.other_metadata\n"
+                                                         "        k_rope = kv_cache"),
+            expected=_routed(FA3_DECODE.replace("        k_rope = kv_cache", "        metadata = self.other_metadata\n"
+                                                                          "        k_rope = kv_cache")),
+            status="hot",
+            why="`metadata` is rebound between the cast and the call: no matter, each routed call reads its own "
+                "table when it runs (KVP103 could not cast at the cast)",
+        ),
+        Invalid(
             FA3_ONE_LINE,
             expected=RT + FA3_ONE_LINE.replace(
                 "kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)  # FP8 -> bf16",
                 "kv_cache = _kvpatch_rt.kv_for_routed_kernel(\n"
-                "            self.token_to_kv_pool.get_key_buffer(layer.layer_id), q.dtype  # FP8 -> bf16\n"
-                "        )").replace("return flash_attn_with_kvcache(q=q[..., 512:]",
+                "            self.token_to_kv_pool.get_key_buffer(layer.layer_id),\n"
+                "            q.dtype,\n"
+                "        )  # FP8 -> bf16").replace("return flash_attn_with_kvcache(q=q[..., 512:]",
                                     "return _kvpatch_rt.paged_attention(flash_attn_with_kvcache, q=q[..., 512:]"),
             status="hot",
             why="a call on one line gets the kernel as its first argument; the cast's comment is kept",
         ),
-        Invalid(
-            FA3_ONE_LINE.replace("qv=q[..., :512],", ""),
-            expected=None,
-            status="hot",
-            why="no qv=: not the absorbed-MLA call the runtime serves (left to KVP103)",
-        ),
-        Invalid(
-            FA3_ONE_LINE.replace("].view(-1, self.page_size, 1, 512)", "].reshape(-1, self.page_size, 1, 512)"),
-            expected=None,
-            status="hot",
-            why="a reshape may copy: the runtime could not find the pool again (left to KVP103)",
-        ),
-        Invalid(CP_EXTEND, expected=None, status="hot",
-                why="a nested closure reads the caches: not routed (KVP103 casts its table whole)"),
-        Invalid(XPU_DECODE, expected=None, status="hot",
-                why="sgl-kernel's XPU flash_mla_decode is not a routable kernel (KVP103 casts its pages)"),
     )
 
     # -- recognise ----------------------------------------------------------
@@ -164,14 +173,27 @@ def _routable_calls(consumers: List[Consumer], ctx: UnitContext) -> Optional[Lis
             return None
         if any(a.keyword is None and not a.star for a in c.call.args) or isinstance(c.call.func, cst.Call):
             return None
-        if any(not (isinstance(v.func, cst.Attribute) and v.func.attr.value in ROUTABLE_VIEWS) for v in c.views):
+        if any(not _routable_view(v) for v in c.views):
             return None
         seen.setdefault(id(c.call), set()).add(c.keyword)
         if all(x is not c.call for x in calls):
             calls.append(c.call)
     if not calls or any(seen[id(call)] != set(CACHE_KEYWORDS) for call in calls):
         return None
+    # The data flow follows no value into a nested function: a closure that reads the
+    # cast (context parallel) would get the FP8 pool as stored. KVP103 casts for it.
+    names = {n for c in consumers for n in c.via}
+    if any(isinstance(n, cst.Name) and n.value in names for scope in nested_scopes(ctx) for n in walk(scope)):
+        return None
     return calls
+
+
+def _routable_view(call: cst.Call) -> bool:
+    """`x.view(...)` or SGLang's `paged_view(x, page_size)` (an as_strided view): both keep
+    the pool's storage and row stride, from which the runtime finds the pool again."""
+    f = call.func
+    return (isinstance(f, cst.Attribute) and f.attr.value in ROUTABLE_VIEWS) or (
+        isinstance(f, cst.Name) and f.value in VIEW_FUNCTIONS)
 
 
 def _route_builder(func: str):

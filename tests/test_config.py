@@ -17,7 +17,7 @@ from kvpatch.output.exitcodes import EXIT_ERROR
 from kvpatch.rule import RULES_PATH_ENV
 from test_plugin import BACKEND, REL, RULE
 
-FA3 = "python/sglang/srt/layers/attention/flashattention_backend.py"  # KVP103's hot site
+FA3 = "python/sglang/srt/layers/attention/flashattention_backend.py"  # KVP106's hot site (routed)
 
 
 def run(*args, env=None):
@@ -104,7 +104,7 @@ def test_config_commit_false_is_no_commit_and_commit_overrides_it(example_git):
 
 # -- exclude -----------------------------------------------------------------------
 def test_exclude_drops_a_hot_site_from_audit_apply_and_status(example):
-    assert (FA3, "KVP103", "hot") in audit_sites(example)
+    assert (FA3, "KVP106", "hot") in audit_sites(example)
     before = (example / FA3).read_bytes()
     write_config(example, f"[tool.kvpatch]\nexclude = ['{FA3}']\n")
     assert not [s for s in audit_sites(example) if s[0] == FA3]
@@ -251,3 +251,17 @@ def test_jobs_help_says_the_config_sets_it(cmd):
 def test_help_of_rules_test_and_config_says_the_config_is_read(cmd):
     text = " ".join(run(cmd, "--help").output.split())
     assert "[tool.kvpatch]" in text and "rules-path" in text, text
+
+
+def test_leaving_the_routing_rule_out_gathers_the_fa3_site_instead(example):
+    """KVP106 would route the FA3 call; selected out, the site goes to KVP103 (the pages
+    its tables list, cast at the cast), not left hot."""
+    assert (FA3, "KVP106", "hot") in audit_sites(example)
+    assert (FA3, "KVP103", "hot") in audit_sites(example, "--rules", "KVP101,KVP102,KVP103")
+    r = run("apply", "--rules", "KVP101,KVP102,KVP103", example)
+    assert r.exit_code == 0, r.output
+    text = (example / FA3).read_text()
+    assert "_kvpatch_rt.kv_pages_for_kernel(" in text and "paged_attention(" not in text
+    assert run("status", example).exit_code == 0
+    r = run("apply", example)  # every rule: the gathered site is patched, not routed on top
+    assert r.exit_code == 0 and (example / FA3).read_text() == text, r.output

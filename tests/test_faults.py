@@ -495,3 +495,15 @@ def test_a_branch_lock_no_rollback_step_writes_is_still_named(tmp_path):
     lock.write_text("")
     with pytest.raises(GitUndoError, match="fp8-kv.lock"):
         _refuse_stale_locks(tmp_path, [("reset", ["reset", "-q", "HEAD"])])
+
+
+def test_the_temporary_index_lock_of_a_killed_commit_is_named(tmp_path):
+    """apply killed inside its `git commit -- <paths>` leaves .git/next-index-<pid>.lock
+    (seen once in a full run of test_kill_at_a_random_instant[apply-git-0]); recover
+    names it, as it names index.lock, rather than roll back with it left behind."""
+    from kvpatch.checkout.gittxn import GitUndoError, _refuse_stale_locks
+
+    _refuse_stale_locks(tmp_path, [("reset", ["reset", "-q", "HEAD"])])
+    (tmp_path / "next-index-4242.lock").write_text("")
+    with pytest.raises(GitUndoError, match="next-index-4242.lock"):
+        _refuse_stale_locks(tmp_path, [("reset", ["reset", "-q", "HEAD"])])

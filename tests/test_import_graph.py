@@ -180,6 +180,7 @@ LAYERS = (
     ("the rules (plugins)", ("rules",)),
     ("rewrite", ("kvpatch.rewrite",)),
     ("engine", ("kvpatch.engine",)),
+    ("which rule's rewrites stand", ("kvpatch.selection",)),
     ("source analysis", ("kvpatch.analysis",)),
     ("the checkout, settings, the runtime source", ("kvpatch.checkout", "kvpatch.config", "kvpatch.runtime")),
     ("the rule contract", ("kvpatch.rule",)),

@@ -1,7 +1,7 @@
 """`kvpatch apply -i`, driven through a real pseudo-terminal (as a person at a shell).
 
-The tree: the bundled example (an FA3 site, KVP103; a FlashInfer MLA file whose two
-KVP101 casts and three KVP102 plan calls go together) plus MUSA's backend (two KVP103
+The tree: the bundled example (an FA3 site, KVP106; a FlashInfer MLA file whose two
+KVP101 casts and three KVP102 plan calls go together) plus MUSA's backend (two KVP106
 sites) in a folder of its own. The changes are asked in file order:
   1. MUSA forward_extend   2. MUSA forward_decode   3. FA3 forward_decode
   4. the FlashInfer MLA file (2 casts + 3 plan calls, one question)
@@ -134,7 +134,7 @@ def test_yes_no_mix_writes_only_the_accepted_and_records_the_declined(tree):
     assert rc == 0 and asked == 2, out
     assert "[1/2] " + MUSA in out and "[2/2] " + MUSA in out and FA3 not in out
     assert MUSA_RT in tree_hashes(tree)  # now one MUSA site is accepted
-    assert "_kvpatch_rt.kv_pages_for_kernel" in (tree / MUSA).read_text()
+    assert "_kvpatch_rt.paged_attention(" in (tree / MUSA).read_text()  # KVP106 routed its calls
     assert [d["qualname"] for d in state(tree)["declined"]] == ["MusaFlashAttentionBackend.forward_decode"]
     st = kvpatch("status", root=tree)
     assert st.returncode == 0 and st.stdout.startswith("patched: 1 site(s) declined"), st.stdout
@@ -207,7 +207,7 @@ def test_all_accepts_this_one_and_every_later_one(tree):
     after = tree_hashes(tree)
     assert all(after[f] != before[f] for f in (MUSA, FA3, FI_MLA))
     assert MUSA_RT in after and LAYERS_RT in after
-    assert "_kvpatch_rt.kv_pages_for_kernel" in (tree / MUSA).read_text()
+    assert "_kvpatch_rt.paged_attention(" in (tree / MUSA).read_text()  # KVP106 routed its calls
     assert (tree / MUSA).read_text().count(".to(q.dtype)") == 1  # forward_extend kept its cast
     all_compile(tree)
 
@@ -218,7 +218,8 @@ def test_a_bad_answer_asks_again_and_the_hunk_is_the_sites_own(tree):
     assert "please answer y, n, a or q" in out
     first = out[out.index("[1/4]"):out.index(PROMPT.decode())]
     assert "-        kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)" in first
-    assert first.count("\n-  ") == 1  # forward_extend's cast only, not forward_decode's
+    # forward_extend's cast and the one kernel call it routes, not forward_decode's
+    assert first.count("\n-  ") == 2 and "-        o = flash_attn_with_kvcache(" in first
     assert "import _kvpatch_runtime" not in first and "runtime import" in first
 
 

@@ -182,7 +182,7 @@ def test_v_and_vv_of_apply_say_different_specific_things(example, tmp_path):
     shutil.copytree(example, other)
     plain, v, vv = run("apply", "--dry-run", example), run("-v", "apply", example), run("-vv", "apply", other)
     assert plain.exit_code == v.exit_code == vv.exit_code == 0, (v.output, vv.output)
-    line = f"  rewritten {FA3}:23 FlashAttentionBackend.forward_decode [KVP103, decode, flashattention]: "
+    line = f"  rewritten {FA3}:23 FlashAttentionBackend.forward_decode [KVP106, decode, flashattention]: "
     assert line in v.output and not _debug(v)
     assert "  would be rewritten " not in plain.output  # -v only
     assert line in vv.output

@@ -111,6 +111,36 @@ def test_the_pool_is_recovered_from_the_two_views(rt):
     assert rt._pool_of(v, k) is None  # swapped: k does not follow v in the row
 
 
+def _paged_view(flat, ps):  # SGLang 0.5.23's paged_view: as_strided, dim 1 keeps the slot stride
+    n, s = flat.shape[0], flat.stride(0)
+    return flat.as_strided((n // ps, ps, *flat.shape[1:]), (s * ps, s, *flat.stride()[1:]))
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+@pytest.mark.parametrize("how", ["view", "paged_view"])
+def test_the_pool_is_recovered_at_every_page_size(rt, ps, how):
+    """x.view(-1, 1, 1, d) gives the size-1 page dim the row's stride, not the slot's:
+    page size 1 must still find the pool (else every call casts its caches whole)."""
+    pool, *_ = case(ps, 1)
+    if how == "view":
+        k, v = _caches(pool, ps)
+    else:
+        k, v = _paged_view(pool[:, :, 512:], ps), _paged_view(pool[:, :, :512], ps)
+    got = rt._pool_of(k, v)
+    assert got is not None and got.data_ptr() == pool.data_ptr() and got.shape == (pool.shape[0], 576)
+
+
+def test_a_routed_call_at_page_size_1_gathers_it_does_not_cast_whole(rt, monkeypatch):
+    pool, pt, sl, q, cu = case(1, 1)
+    want = call(fa3, pool.to(BF16), 1, pt, sl, q, cu, 1)
+
+    def whole(*a, **k):
+        raise AssertionError("the routed call cast its caches whole")
+
+    monkeypatch.setattr(rt, "_cast_fp8_args", whole)
+    assert torch.equal(rt.paged_attention(fa3, **_kw(pool, 1, pt, sl, q, cu, 1)), want)
+
+
 def test_sabotage_a_stale_length_in_the_page_cast_fails_the_comparison(rt, monkeypatch):
     """The check above would see a routed call that casts one page too few."""
     pool, pt, sl, q, cu = case(16, 1, lens=(37, 70, 33))

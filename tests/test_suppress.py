@@ -33,7 +33,7 @@ def _sites(root, rel=None):
 
 def test_comment_on_the_site_line_suppresses_it(example):
     assert _sites(example, FA3)[0] == 1  # hot without the comment
-    _edit(example, FA3, FA3_CAST, FA3_CAST + "  # kvpatch: ignore[KVP103]")
+    _edit(example, FA3, FA3_CAST, FA3_CAST + "  # kvpatch: ignore[KVP106]")
     code, sites = _sites(example, FA3)
     (s,) = sites
     assert s["status"] == "suppressed" and s["suppressed_line"] == 23 and s["fixable"] is False
@@ -70,7 +70,7 @@ def test_comment_on_the_statement_line_then_apply_skips_it_and_status_is_patched
 
 
 def test_sarif_carries_an_in_source_suppression(example):
-    _edit(example, FA3, FA3_CAST, FA3_CAST + "  # kvpatch: ignore[KVP103]")
+    _edit(example, FA3, FA3_CAST, FA3_CAST + "  # kvpatch: ignore[KVP106]")
     doc = json.loads(run("audit", "--sarif", example).stdout)
     res = [r for r in doc["runs"][0]["results"] if r["properties"]["status"] == "suppressed"]
     assert len(res) == 1

@@ -1,4 +1,6 @@
-"""kvpatch verify for the page-table family (FA3 absorbed MLA, rule KVP103), CPU path.
+"""kvpatch verify for the page-table family (FA3 absorbed MLA), CPU path: the calls KVP106
+routes through the runtime (the default) and the page-gathered casts of KVP103 (the FA3
+sites with the routing rule left out, `--rules KVP103`).
 
 The CI cases run on tests/data/fa3 (a hand-written FA3-shaped backend); the real-SGLang
 cases run on the mirror's HEAD checkout and releases 0.5.16 and 0.5.23 where they are
@@ -76,17 +78,60 @@ def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
 ''')
 
 
-def _apply(root: Path) -> Path:
-    r = CliRunner().invoke(main, ["apply", str(root)])
+ROUTED, GATHERED = "paged_attention(", "kv_pages_for_kernel("  # what each form calls
+
+
+def _apply(root: Path, form: str = ROUTED) -> Path:
+    rules = [] if form == ROUTED else ["--rules", "KVP103"]
+    r = CliRunner().invoke(main, ["apply", *rules, str(root)])
     assert r.exit_code in (0, 1), r.output
-    assert (root / "python" / FA3_REL).read_text().count("kv_pages_for_kernel(") >= 2, r.output
+    assert (root / "python" / FA3_REL).read_text().count(form) >= 2, r.output
     return root
 
 
-def fixture_checkout(tmp_path: Path, runtime_text: str = None) -> Path:
+def _wrap_pages(body: str) -> str:
+    """The runtime with page_cast wrapped: the routed calls' gather goes through it."""
+    return RUNTIME.read_text() + "\n\n_kvverify_page_cast = page_cast\n\n" + body
+
+
+ROUTED_SHORT = _wrap_pages('''
+def page_cast(src, dst, page_table, seqlens, page_size, **kw):
+    # Sabotage: each routed call's pages are cast one page short.
+    short = None if seqlens is None else (seqlens - page_size).clamp(min=0)
+    return _kvverify_page_cast(src, dst, page_table, short, page_size, **kw)
+''')
+ROUTED_STALE = _wrap_pages('''
+_kvverify_seen = {}
+
+
+def page_cast(src, dst, page_table, seqlens, page_size, **kw):
+    # Sabotage: the lengths are a copy taken the first time a buffer is seen (a replay
+    # that reads more rows than at capture is then cast short).
+    if seqlens is not None:
+        key = seqlens.data_ptr()
+        if key not in _kvverify_seen:
+            _kvverify_seen[key] = (seqlens, seqlens.clone())
+        seqlens = _kvverify_seen[key][1]
+    return _kvverify_page_cast(src, dst, page_table, seqlens, page_size, **kw)
+''')
+ROUTED_ONE_TABLE = _wrap_pages('''
+_kvverify_first = []
+
+
+def page_cast(src, dst, page_table, seqlens, page_size, **kw):
+    # Sabotage: only the pages of the first table ever routed are cast; a call with
+    # another table (the spec-decode cascade call's) reads what the shadow holds.
+    if not _kvverify_first:
+        _kvverify_first.append(page_table)
+    if page_table is _kvverify_first[0]:
+        return _kvverify_page_cast(src, dst, page_table, seqlens, page_size, **kw)
+''')
+
+
+def fixture_checkout(tmp_path: Path, runtime_text: str = None, form: str = GATHERED) -> Path:
     root = tmp_path / "fa3"
     shutil.copytree(FIXTURE, root)
-    _apply(root)
+    _apply(root, form)
     if runtime_text is not None:
         (root / "python" / FA3_REL).with_name("_kvpatch_runtime.py").write_text(runtime_text)
     return root
@@ -100,8 +145,9 @@ def failures_text(report):
     return "\n".join(f"{c.site} [{c.label()}]: {c.message}" for c in report.failures)
 
 
-def test_fixture_patch_passes(tmp_path):
-    r = run_verify(fixture_checkout(tmp_path), device="cpu")
+@pytest.mark.parametrize("form", [ROUTED, GATHERED])
+def test_fixture_patch_passes(tmp_path, form):
+    r = run_verify(fixture_checkout(tmp_path, form=form), device="cpu")
     cases = fa3_cases(r)
     assert r.ok, r.format()
     assert {c.qualname for c in cases if c.passed} == FA3_SITES
@@ -138,6 +184,39 @@ def test_unpatched_cast_is_caught(tmp_path):
     assert not r.ok
     assert {c.qualname for c in r.failures} == {"FlashAttentionBackend.forward_extend"}
     assert "full-pool cast not removed" in failures_text(r)
+
+
+def test_routed_call_left_unrouted_is_caught(tmp_path):
+    """The cast hands the pool on uncast (kv_for_routed_kernel): a call of it that is not
+    routed gets FP8 caches, which FA3 (and its reference) refuse with a bf16 query."""
+    root = fixture_checkout(tmp_path, form=ROUTED)
+    f = root / "python" / FA3_REL
+    text = f.read_text()
+    routed = "_kvpatch_rt.paged_attention(\n            flash_attn_with_kvcache,\n"
+    assert routed in text
+    f.write_text(text.replace(routed, "flash_attn_with_kvcache(\n", 1))
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok
+    assert "caches are torch.float8_e4m3fn" in failures_text(r), failures_text(r)
+
+
+@pytest.mark.parametrize("sabotage, expect", [
+    (ROUTED_SHORT, "NaN: a page the kernel reads was not cast"),
+    (ROUTED_ONE_TABLE, ""),
+])
+def test_routed_gather_sabotage_fails(tmp_path, sabotage, expect):
+    r = run_verify(fixture_checkout(tmp_path, sabotage, form=ROUTED), device="cpu", quick=True)
+    assert not r.ok
+    assert expect in failures_text(r)
+    if sabotage is ROUTED_ONE_TABLE:  # the first case's main call passes; a cascade call fails
+        assert any(c.passed for c in fa3_cases(r)) and any(c.route.endswith(":cascade") for c in r.failures)
+
+
+def test_routed_stale_lengths_under_replay_fail(tmp_path):
+    r = run_verify(fixture_checkout(tmp_path, ROUTED_STALE, form=ROUTED), device="cpu", quick=True)
+    assert not r.ok
+    assert all(c.passed for c in fa3_cases(r) if c.exec == "eager")
+    assert r.failures and all(c.exec == "replay" for c in r.failures), failures_text(r)
 
 
 def test_catches_a_page_short(tmp_path):
@@ -227,7 +306,7 @@ def test_reference_kernel_math(causal):
 # --- real SGLang --------------------------------------------------------------------------
 
 
-def _real_tree(which, tmp_path, monkeypatch) -> Path:
+def _real_tree(which, tmp_path, monkeypatch, form=ROUTED) -> Path:
     """The FA3 backend of a real SGLang tree, alone in a fresh tree (apply and verify need no more)."""
     if which == "HEAD":
         base = Path(os.environ.get(CHECKOUTS_ENV, "").split(os.pathsep)[0] or LOCAL_HEAD)
@@ -241,12 +320,13 @@ def _real_tree(which, tmp_path, monkeypatch) -> Path:
     root = tmp_path / "tree"
     (root / "python" / FA3_REL).parent.mkdir(parents=True)
     shutil.copyfile(src, root / "python" / FA3_REL)
-    return _apply(root)
+    return _apply(root, form)
 
 
+@pytest.mark.parametrize("form", [ROUTED, GATHERED])
 @pytest.mark.parametrize("which", ["HEAD", "0.5.16", "0.5.23"])
-def test_real_sglang_fa3_verifies(which, tmp_path, monkeypatch):
-    r = run_verify(_real_tree(which, tmp_path, monkeypatch), device="cpu", quick=True)
+def test_real_sglang_fa3_verifies(which, tmp_path, monkeypatch, form):
+    r = run_verify(_real_tree(which, tmp_path, monkeypatch, form), device="cpu", quick=True)
     assert r.ok, r.format()
     assert {c.qualname for c in fa3_cases(r) if c.passed} == FA3_SITES
     assert {c.route for c in fa3_cases(r) if c.passed} >= {"decode", "decode:cascade", "prefill",
@@ -255,8 +335,9 @@ def test_real_sglang_fa3_verifies(which, tmp_path, monkeypatch):
     assert "decode:fa4" in {c.route for c in fa3_cases(r) if c.passed}
 
 
-def test_real_sglang_fa3_catches_a_page_short(tmp_path, monkeypatch):
-    root = _real_tree("HEAD", tmp_path, monkeypatch)
-    (root / "python" / FA3_REL).with_name("_kvpatch_runtime.py").write_text(SHORT)
+@pytest.mark.parametrize("form, sabotage", [(ROUTED, ROUTED_SHORT), (GATHERED, SHORT)])
+def test_real_sglang_fa3_catches_a_page_short(tmp_path, monkeypatch, form, sabotage):
+    root = _real_tree("HEAD", tmp_path, monkeypatch, form)
+    (root / "python" / FA3_REL).with_name("_kvpatch_runtime.py").write_text(sabotage)
     r = run_verify(root, device="cpu", quick=True)
     assert not r.ok and {c.qualname for c in r.failures} == FA3_SITES

@@ -54,8 +54,9 @@ RAGGED_KERNELS: Dict[str, tuple] = {
 # that marks the call it serves: FA3's absorbed-MLA form, the latent cache as v_cache and
 # the latent query as qv.
 ROUTABLE_KERNELS: Dict[str, str] = {"flash_attn_with_kvcache": "qv"}
-# The view ops a routed call's caches may pass through: each keeps a view of the pool
-# (no copy), so the runtime can recover the pool from the two caches.
+# The view methods a routed call's caches may pass through (with tensorops.VIEW_FUNCTIONS):
+# each keeps a view of the pool (no copy), so the runtime can recover the pool from the
+# two caches.
 ROUTABLE_VIEWS = ("view",)
 RAGGED_CACHES = ("key_cache", "value_cache")
 RAGGED_LAYOUT = ("kv_cache_layout", "NHD")  # the layout whose dim 1 is the block

@@ -25,6 +25,7 @@ BLOB = "blob"
 HEADS = "refs/heads/"
 BRANCH_PREFIX = "kvpatch/"  # the branches apply makes: refs/heads/kvpatch/...
 INDEX_LOCK = "index.lock"  # in the git dir while a git command writes the index
+NEXT_INDEX_LOCKS = "next-index-*.lock"  # in the git dir while `git commit -- <paths>` builds its commit
 PACKED_REFS = "packed-refs"  # in the git dir: deleting a packed branch rewrites it (under packed-refs.lock)
 
 Where = Union[str, os.PathLike, object]  # a directory, a git.Repo or a git.Git

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 from kvpatch.checkout import repo
 from kvpatch.checkout import git
-from kvpatch.checkout.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, PACKED_REFS
+from kvpatch.checkout.git import BRANCH_PREFIX, HEADS, INDEX_LOCK, NEXT_INDEX_LOCKS, PACKED_REFS
 from kvpatch.checkout.safepath import UnsafePath
 
 # How many commits a write makes (apply: one; revert: one): undo strips no more.
@@ -128,6 +128,9 @@ def _refuse_stale_locks(git_dir: Path, steps: List[Tuple[str, List[str]]]) -> No
     heads = git_dir / HEADS
     if heads.is_dir():
         locks += sorted(p.relative_to(git_dir).as_posix() for p in heads.rglob("*.lock") if p.is_file())
+    # `git commit -- <paths>` (apply's commit) builds its commit in a temporary index,
+    # next-index-<pid>.lock: killed there, git leaves it, and it may be a live commit's.
+    locks += sorted(p.name for p in git_dir.glob(NEXT_INDEX_LOCKS) if p.is_file())
     for name in dict.fromkeys(locks):
         if (git_dir / name).exists():
             raise GitUndoError(f"{git_dir / name} exists (a git command was killed while writing it): "

@@ -10,6 +10,7 @@ import time
 import click
 
 from kvpatch.cli.out import CONTEXT, Out, _root, _settings, rule_source
+from kvpatch.names import MODE_FUSED, MODE_GATHER, MODE_NATIVE
 from kvpatch.output.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK, EXIT_UNVERIFIED
 
 # -- rules -------------------------------------------------------------------
@@ -92,8 +93,9 @@ def config_cmd(out: Out, path, as_json):
 # -- verify ------------------------------------------------------------------
 @click.command(context_settings=CONTEXT)
 @click.argument("path", type=click.Path())
-@click.option("--mode", type=click.Choice(["both", "gather", "native"]), default="both", show_default=True,
-              help="Which runtime modes to check.")
+@click.option("--mode", type=click.Choice(["all", "both", "gather", "native", "fused"]), default="all",
+              show_default=True, help="Which runtime modes to check: all = gather, native and fused; both = gather "
+                                      "and native.")
 @click.option("--cpu", is_flag=True, help="Run the CPU reference check only (no GPU needed); exit 0 if it passes.")
 @click.option("--no-graph", is_flag=True, help="Skip the CUDA-graph decode cases.")
 @click.option("--quick", is_flag=True, help="Fewer, smaller cases.")
@@ -106,7 +108,8 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     XPU; aiter's MHA extend) and its original (from .kvpatch/originals or git), runs their
     forward_decode and forward_extend on the same random FP8 pool, eager and
     under a CUDA graph, and compares: bit-identical for the gathered cast,
-    within tolerance for native FP8. FlashInfer runs its own kernels; the
+    within tolerance for native FP8 and for the fused FP8 attention of routed
+    calls (CUDA with Triton only; on the CPU it is named as not run). FlashInfer runs its own kernels; the
     FA3-family and flash_mla kernels, which need sgl-kernel, and aiter's
     mha_batch_prefill_func, which needs a ROCm GPU, run as a torch reference
     with their semantics on both sides. A path that cannot run is
@@ -140,7 +143,7 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
         sys.exit(EXIT_ERROR)
     from kvpatch.verify import run_verify
 
-    modes = ("gather", "native") if mode == "both" else (mode,)
+    modes = {"all": (MODE_GATHER, MODE_NATIVE, MODE_FUSED), "both": (MODE_GATHER, MODE_NATIVE)}.get(mode, (mode,))
     try:
         rep = run_verify(root, modes=modes, device="cpu" if cpu else "auto", graph=not no_graph, quick=quick,
                          log=None if out.quiet else out.info)

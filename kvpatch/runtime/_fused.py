@@ -143,7 +143,9 @@ def fused_mla(
     part_o, part_lse = _fused_scratch_for(kv2.device, batch * m_rows, n_splits, d)
     ckv_t = _fused_scale_tensor(ckv_scale, kv2.device)
     kpe_t = _fused_scale_tensor(kpe_scale, kv2.device)
-    _fused_last["split"] = split_k[(batch, n_splits, groups)](
+    _fused_last["split"] = _fused_launch(
+        split_k,
+        (batch, n_splits, groups),
         q_nope,
         q_pe,
         kv2,
@@ -180,7 +182,9 @@ def fused_mla(
         num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
-    _fused_last["combine"] = combine_k[(batch * m_rows,)](
+    _fused_last["combine"] = _fused_launch(
+        combine_k,
+        (batch * m_rows,),
         part_o,
         part_lse,
         lens,
@@ -198,6 +202,54 @@ def fused_mla(
         num_warps=4,
     )
     return out
+
+
+# Launches after the first of a kind skip Triton's per-call binder (tens of µs of host
+# time in eager mode): the compiled kernel is kept under a key that holds everything its
+# binary depends on (constexprs, options, each tensor's dtype and 16-byte alignment, each
+# int's ==1 / %16 class, the device), and its launcher is called directly.
+_fused_compiled = {}
+
+
+def _fused_spec(a):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, int):
+        return (a == 1, a % 16 == 0)
+    return type(a)
+
+
+def _fused_launch(kernel, grid, *args, **kw):
+    import triton
+
+    hooks = triton.knobs.runtime
+    if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+        return kernel[grid](*args, **kw)  # a profiler listens: Triton's own path
+    dev = args[0].device
+    key = (kernel, dev, tuple(_fused_spec(a) for a in args), tuple(kw.items()))
+    ck = _fused_compiled.get(key)
+    if ck is None:
+        ck = kernel[grid](*args, **kw)
+        if hasattr(ck, "packed_metadata"):  # not the interpreter
+            _fused_compiled[key] = ck
+        return ck
+    names = kernel.arg_names
+    stream = triton.runtime.driver.active.get_current_stream(dev.index)
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    ck.run(
+        g[0],
+        g[1],
+        g[2],
+        stream,
+        ck.function,
+        ck.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *[kw[n] for n in names[len(args) :]],
+    )
+    return ck
 
 
 _fused_scales = {}

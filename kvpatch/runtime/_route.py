@@ -54,7 +54,16 @@ _FA3_READ = (
     "causal",
     "out",
 )
-_FA3_STEERING = ("num_splits", "pack_gqa", "sm_margin", "scheduler_metadata")
+# ver picks FA3 or FA4 (SGLang passes it); cu_seqlens_k_new only places new k/v, which a
+# routed call never passes (k and v must be None, below), so the kernel ignores it.
+_FA3_STEERING = (
+    "num_splits",
+    "pack_gqa",
+    "sm_margin",
+    "scheduler_metadata",
+    "ver",
+    "cu_seqlens_k_new",
+)
 _FA3_DEFAULTS = {
     "window_size": ((-1, -1), [-1, -1]),
     "softcap": (0.0, 0),
@@ -111,6 +120,15 @@ def _cast_fp8_args(kw, q):
     return {name: _cast_whole(t, q.dtype) for name, t in kw.items()}
 
 
+def _slot_stride(t):
+    """The stride between a [pages, page_size, 1, d] view's slots, or None. A dim of size
+    1 may carry any stride (x.view(-1, 1, 1, d) gives dim 1 the row's): page size 1 reads
+    it from the pages' stride."""
+    if t.shape[1] == 1:
+        return t.stride(0)
+    return t.stride(1) if t.stride(0) == t.stride(1) * t.shape[1] else None
+
+
 def _pool_of(k, v):
     """The [slots, row] pool that the views k (rope part) and v (latent part) were cut
     from, or None: v must start a row, k follow it in the same row, both with the rows'
@@ -121,14 +139,14 @@ def _pool_of(k, v):
         same = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     except Exception:
         return None
-    row = k.stride(1)
+    row = _slot_stride(k)
     width = v.shape[-1] + k.shape[-1]
     if not (
         same
         and row == width
-        and v.stride(1) == row
-        and k.stride(0) == v.stride(0) == row * k.shape[1]
-        and k.stride(-1) == 1
+        and _slot_stride(v) == row
+        and k.stride(0) == v.stride(0)
+        and (k.stride(-1) == 1 or k.shape[-1] == 1)
         and v.stride(-1) == 1
         and k.shape[:3] == v.shape[:3]
         and k.shape[2] == 1
@@ -157,7 +175,6 @@ def _fused_shape(kw, pool):
             "q_descale",
             "k_descale",
             "v_descale",
-            "cu_seqlens_k_new",
             "rotary_cos",
             "rotary_sin",
             "cache_batch_idx",

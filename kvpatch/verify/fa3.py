@@ -25,7 +25,9 @@ import torch
 
 from .fa3_reference import KERNEL_NAME
 from .fakes import DECODE, EXTEND, TARGET_VERIFY, Mode
-from .judge import FullPoolGuard, _exc_text, compare
+from kvpatch.names import MODE_ENV, MODE_FUSED as FUSED, MODE_GATHER as GATHER, MODE_NATIVE
+
+from .judge import FUSED_REL_TOL, FullPoolGuard, _exc_text, compare, vector_rel_err
 from .report import FAILED, PASSED, SKIPPED, CaseResult
 from .side import ForwardBatch, Side, call_bound
 from .targets import qualname_map
@@ -155,27 +157,38 @@ class FA3Side:
 class FA3Verifier:
     capture_forward = FileVerifier.capture_forward
 
-    def __init__(self, rel, orig: FA3Side, pat: FA3Side, rt, world, report, gen):
+    def __init__(self, rel, orig: FA3Side, pat: FA3Side, rt, world, report, gen, path: str = GATHER):
         self.rel, self.orig, self.pat, self.rt, self.world, self.report = rel, orig, pat, rt, world, report
         self.gen, self.dev = gen, world.device
+        self.path = path  # GATHER (KVPATCH_MODE=gather) or FUSED (KVPATCH_MODE=fused)
+        self.fused_calls = [0]  # the runtime's fused_mla, counted (fused mode)
         self.capture = self.dev.type == "cuda"  # the reference kernel reads its lengths on the device
 
     def case_result(self, kind, exec_, label, variant="") -> CaseResult:
         c = CaseResult(file=self.rel, qualname=f"{self.pat.cls_name}.forward_{'decode' if kind == DECODE else 'extend'}",
-                       path={DECODE: "decode", EXTEND: "prefill"}.get(kind, kind), mode="gather", exec=exec_,
+                       path={DECODE: "decode", EXTEND: "prefill"}.get(kind, kind), mode=self.path, exec=exec_,
                        batch=label, kernel=KERNEL_NAME, variant=variant)
         self.report.cases.append(c)
         return c
 
-    def judge(self, c, out, ref, hits):
+    def judge(self, c, out, ref, hits, fused_before=None):
         c.full_pool_casts = list(hits)
-        c.kv_path = "cast" if hits else "gather"
+        fused = fused_before is not None and self.fused_calls[0] > fused_before
+        c.kv_path = "cast" if hits else FUSED if fused else "gather"
         ident, c.max_abs_err, c.identical_share, _ = compare(out, ref)
         c.tolerance = "bit-identical (torch.equal)"
         problems = []
         if hits:
             problems.append("full-pool cast not removed: " + "; ".join(hits))
-        if not ident:
+        if fused:  # the FP8 rows read in place: bf16 dots, not the original's bf16 copy
+            err = vector_rel_err(out, ref)
+            c.tolerance = f"worst output vector |out - ref| / |ref| < {FUSED_REL_TOL} (fused FP8 path)"
+            c.message = f"fused path served; worst output vector error {err:.2e}"
+            if not (torch.isfinite(out).all() and err < FUSED_REL_TOL):
+                problems.append(f"fused output off the original: worst output vector error {err:.3g} "
+                                f"(tolerance {FUSED_REL_TOL})" + ("; NaN/inf in the output"
+                                                                   if not torch.isfinite(out).all() else ""))
+        elif not ident:
             problems.append(f"output differs from the original: max_abs_err={c.max_abs_err:.4g}, "
                             f"identical={c.identical_share:.4f}"
                             + (" (NaN: a page the kernel reads was not cast)" if not torch.isfinite(out).all()
@@ -197,12 +210,13 @@ class FA3Verifier:
             self.pat.forward(kind, case)  # warm-up: allocates the shadow
             self.rt.poison_shadows()
             guard = FullPoolGuard(self.world.pool_ptr(), self.world.store.numel(), self.pat)
+            before = self.fused_calls[0]
             with guard:
                 out = self.pat.forward(kind, case).clone()
         except Exception as exc:
             c.status, c.message = FAILED, f"patched run raised {_exc_text(exc, self.pat)}"
             return
-        self.judge(c, out, ref, guard.hits)
+        self.judge(c, out, ref, guard.hits, before)
 
     def graph(self, ps):
         cap_lens, replays = GRAPH_LENS
@@ -220,6 +234,7 @@ class FA3Verifier:
         meta = cap.clone_meta()  # the graph's fixed buffers
         q_nope, q_pe = cap.q_nope.clone(), cap.q_pe.clone()
         try:
+            self.fused_at_capture = self.fused_calls[0]  # a replay runs what the capture recorded
             replay = self.capture_forward(partial(self.pat.forward, DECODE, cap, meta, q_nope, q_pe))
         except Exception as exc:
             for c in results:
@@ -242,9 +257,10 @@ class FA3Verifier:
             except Exception as exc:
                 c.status, c.message = FAILED, f"replay raised {_exc_text(exc, self.pat)}"
                 continue
-            self.judge(c, out, ref, [])
+            self.judge(c, out, ref, [], self.fused_at_capture)
             if c.passed:
-                c.message = "page table, lengths and queries rewritten in place before the replay"
+                c.message = "page table, lengths and queries rewritten in place before the replay" + (
+                    f"; {c.message}" if c.kv_path == FUSED else "")
 
     def selfcheck_forward(self):
         """One small forward of the original, whose full-pool cast the guard must see."""
@@ -320,12 +336,35 @@ def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_
         report.errors.append(str(exc))
         return
     report.files.append(t.rel)
-    if "native" in modes:
+    if MODE_NATIVE in modes:
         report.notes.append(f"{t.rel}: the page-table cast has no native FP8 mode: verified gathered")
-    os.environ["KVPATCH_MODE"] = "gather"
-    rt.reset()
-    log(f"{t.rel}: FA3 family ({t.cls}), original from {t.original_from}, kernel {KERNEL_NAME}")
-    gen = torch.Generator(device=world.device).manual_seed(1)
-    FA3Verifier(t.rel, orig, pat, rt, world, report, gen).run(graph, quick)
-    rt.reset()
-
+    paths = [GATHER] + ([FUSED] if FUSED in modes else [])
+    for path in paths:
+        if path == FUSED:
+            if world.device.type != "cuda":  # as native FP8: a GPU path, named as not run
+                report.add_reason(f"fused path not run: it needs a CUDA device with Triton (device here: "
+                                  f"{world.device.type})")
+                continue
+            if not rt._fused_build():
+                report.unverified.append(f"{t.rel}: fused path not verified: Triton is not importable here")
+                continue
+        os.environ[MODE_ENV] = path
+        rt.reset()
+        log(f"{t.rel}: FA3 family ({t.cls}), {path} path, original from {t.original_from}, kernel {KERNEL_NAME}")
+        gen = torch.Generator(device=world.device).manual_seed(1)
+        v = FA3Verifier(t.rel, orig, pat, rt, world, report, gen, path)
+        real = getattr(rt, "fused_mla", None)
+        if real is not None:  # count the fused launches: a case says which path served it
+            def counted(*a, **k):
+                v.fused_calls[0] += 1
+                return real(*a, **k)
+            rt.fused_mla = counted
+        try:
+            v.run(graph, quick)
+        finally:
+            if real is not None:
+                rt.fused_mla = real
+            rt.reset()
+        if path == FUSED and not v.fused_calls[0]:  # its cases ran gathered, and say so (kv_path)
+            report.unverified.append(f"{t.rel}: fused path not verified: no call took it (only calls routed "
+                                     f"through the runtime, within the fused path's contract, do)")

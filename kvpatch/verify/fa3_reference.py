@@ -16,6 +16,8 @@ patched cast can change, the rows read:
 - ``causal`` with the query offset: query ``i`` of a request with ``n`` queries sits at
   position ``cache_seqlens[b] - n + i`` and reads keys up to it.
 - ``return_softmax_lse``: ``(out, lse [heads, total_q])``, as FA3's varlen path.
+- the caches must have the query's dtype, as FA3 checks: an FP8 cache that reaches the
+  kernel uncast (a routed call left unrouted) raises, it is not read as exact floats.
 
 Everything runs on the device with static shapes (no ``.item()``), so it can be
 captured in a CUDA graph and replays with the lengths and tables then in memory.
@@ -46,6 +48,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, *, cac
         raise NotImplementedError("reference flash_attn_with_kvcache: needs page_table and cache_seqlens")
     if tuple(window_size) != (-1, -1) or softcap:
         raise NotImplementedError("reference flash_attn_with_kvcache: no sliding window or softcap")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        # As FA3: the caches must have the query's dtype (an FP8 cache wants an FP8 query
+        # with descales). A routed call that reached the kernel uncast fails here.
+        raise TypeError(f"flash_attn_with_kvcache: query is {q.dtype} but the caches are {k_cache.dtype}/"
+                        f"{v_cache.dtype} (they must match)")
     dev = q.device
     batch = cache_seqlens.shape[0]
     four_d = cu_seqlens_q is None

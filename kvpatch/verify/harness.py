@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from kvpatch.names import RUNTIME_MODULE, RUNTIME_VERSION_VAR, STATE_DIR, STATE_FILE
+from kvpatch.names import MODE_AUTO, MODE_FUSED, MODE_GATHER, MODE_NATIVE, RUNTIME_MODULE, RUNTIME_VERSION_VAR, STATE_DIR, STATE_FILE
 
 from . import fakes, stubs
 from .reference import make_flashinfer_stub
@@ -92,9 +92,10 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
     root = Path(root)
     report = VerifyReport(root=str(root))
     modes = tuple(modes)
-    bad = [m for m in modes if m not in ("gather", "native", "auto")]
+    known = (MODE_GATHER, MODE_NATIVE, MODE_AUTO, MODE_FUSED)
+    bad = [m for m in modes if m not in known]
     if bad:
-        raise ValueError(f"unknown verify mode(s) {bad}: use gather, native, auto")
+        raise ValueError(f"unknown verify mode(s) {bad}: use {', '.join(known)}")
     targets, notes = find_targets(root)
     report.notes.extend(notes)
     if not targets:

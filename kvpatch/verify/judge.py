@@ -17,7 +17,9 @@ class FullPoolGuard(TorchDispatchMode):
     """Flags any op that reads the pool's storage and returns a new tensor at least
     as large as the pool: the full-pool cast the patch exists to remove (or any
     other full copy of it). Views of the pool share its storage and are fine;
-    a gathered cast produces a [rows, 1, 576] tensor and is fine."""
+    a gathered cast produces a [rows, 1, 576] tensor and is fine. A same-shaped copy
+    of a view of the pool at least 1/16 of its size (the 64-wide rope part of every
+    slot, cast whole by a routed call that lost the pool) is a full-pool cast too."""
 
     def __init__(self, pool_ptr: int, pool_numel: int, side: Side):
         super().__init__()
@@ -28,9 +30,10 @@ class FullPoolGuard(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if len(self.hits) < 8:
             ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            views = [t.shape for t in ins if _storage_ptr(t) == self.ptr and t.numel() * 16 >= self.numel]
             if any(_storage_ptr(t) == self.ptr for t in ins):
                 for o in tree_leaves(out):
-                    if (isinstance(o, torch.Tensor) and o.numel() >= self.numel
+                    if (isinstance(o, torch.Tensor) and (o.numel() >= self.numel or o.shape in views)
                             and _storage_ptr(o) != self.ptr):
                         site = self.side.caller_site() or "outside the verified module"
                         self.hits.append(f"{func} made a {list(o.shape)} {o.dtype} copy of the "
@@ -53,6 +56,21 @@ def compare(out: torch.Tensor, ref: torch.Tensor):
     close = bool(torch.isfinite(out).all()) and bool(
         (diff <= NATIVE_ATOL + NATIVE_RTOL * ref.float().abs()).all())
     return ident, max_err, share, close
+
+
+# The fused FP8 path reads the pool's FP8 rows itself (bf16 dots, fp32 softmax): it is
+# compared with the original per output vector (one token, one head), as the runtime's
+# GPU tests do; bf16 rounding puts that error near 2e-3 to 4e-3 (notes/gpu-runs.md).
+FUSED_REL_TOL = 1.5e-2
+
+
+def vector_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The worst output vector's |out - ref| / |ref| (last dim: one head's values)."""
+    if out.shape != ref.shape:
+        return float("inf")
+    o, r = out.float().reshape(-1, out.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    err = (o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-6)
+    return float(err.max()) if err.numel() else 0.0
 
 
 def _exc_text(exc: BaseException, side: Side) -> str:

@@ -16,12 +16,12 @@ class CaseResult:
     file: str                      # checkout-relative path of the patched file
     qualname: str                  # site under test, e.g. FlashInferMLAAttnBackend.forward_decode
     path: str                      # "decode" | "prefill" | "target_verify" | "draft_extend"
-    mode: str                      # KVPATCH_MODE asked for: gather | native | auto
+    mode: str                      # KVPATCH_MODE asked for: gather | native | auto | fused
     exec: str                      # "eager" | "graph" (captured CUDA graph) | "replay" (replay path, no capture)
     batch: str                     # human-readable batch shape
     variant: str = ""              # which SGLang path of a speculative case: eagle | dflash
     kernel: str = ""               # "flashinfer" | "reference"
-    kv_path: str = ""              # what the patched run really did: gather | native | cast | ?
+    kv_path: str = ""              # what the patched run really did: gather | native | fused | cast | ?
     max_abs_err: Optional[float] = None
     identical_share: Optional[float] = None
     tolerance: str = ""            # criterion applied

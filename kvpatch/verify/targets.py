@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 from kvpatch.checkout import git
 from kvpatch.checkout.safepath import UnsafePath, inside, is_link, read_regular
-from kvpatch.names import RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
+from kvpatch.names import RUNTIME_ALIAS, RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
 from kvpatch.names import STATE_DIR, STATE_FILE
 from kvpatch.checkout.originals import OriginalError, copy_path
 from kvpatch.checkout.originals import read as read_original
@@ -108,11 +108,22 @@ def _forwards_call(cls: ast.ClassDef, func: str) -> bool:
     for fn in cls.body:
         if isinstance(fn, ast.FunctionDef) and fn.name in FORWARDS:
             for node in ast.walk(fn):
-                if isinstance(node, ast.Call):
-                    f = node.func
-                    if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == func:
-                        return True
+                if isinstance(node, ast.Call) and func in (_name(node.func), _routed_kernel(node)):
+                    return True
     return False
+
+
+def _name(f: ast.expr) -> Optional[str]:
+    return f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+
+
+def _routed_kernel(call: ast.Call) -> Optional[str]:
+    """`kernel` of a call routed through the runtime, `_kvpatch_rt.<fn>(kernel, ...)`."""
+    f = call.func
+    if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == RUNTIME_ALIAS
+            and call.args and not isinstance(call.args[0], ast.Starred)):
+        return _name(call.args[0])
+    return None
 
 
 def _git(root: Path, cmd: str, *args: str) -> Optional[str]:
