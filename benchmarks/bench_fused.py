@@ -152,14 +152,18 @@ def sweep(rt, fz, ws, pools, bw, gen):
     # Configurations that compile to 0 spills for sm_90a (tools/fused_aot.py, no GPU needed);
     # maxnreg caps registers so that 3 CTAs of 4 warps fit an SM.
     # f16: f16 dots (q scaled by a power of two) against bf16 dots, one instruction fewer per FP8 value.
-    grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=f16)
-                      for bn, nw, st, reg, f16 in [(64, 4, 2, None, True), (64, 4, 2, None, False),
-                                                   (32, 4, 2, 168, True), (32, 4, 3, 168, True),
-                                                   (32, 4, 3, 168, False), (64, 8, 2, None, True)]],
-            "large": [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=f16)
-                      for bm, bn, nw, st, reg, f16 in [(16, 32, 4, 3, 168, True), (32, 32, 4, 2, None, True),
-                                                       (32, 32, 4, 2, None, False), (64, 64, 8, 3, None, True),
-                                                       (64, 32, 8, 2, None, True)]]}
+    # pv_asm: V converted to 16 bits before its transposed read (ldmatrix.trans), not read
+    # back from shared memory a byte at a time (the PTX: 128 ld.shared.b8 a thread a step).
+    grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=f16, pv_asm=pv)
+                      for bn, nw, st, reg, f16, pv in [(32, 4, 3, 168, False, False), (32, 4, 3, 168, False, True),
+                                                       (32, 4, 3, 168, True, False), (32, 4, 3, 168, True, True),
+                                                       (64, 4, 2, None, True, True), (64, 4, 2, None, False, True)]],
+            "large": [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=f16, pv_asm=pv)
+                      for bm, bn, nw, st, reg, f16, pv in [(32, 32, 4, 2, None, False, False),
+                                                           (32, 32, 4, 2, None, False, True),
+                                                           (32, 32, 4, 2, None, True, True),
+                                                           (16, 32, 4, 3, 168, True, True),
+                                                           (64, 32, 8, 2, None, True, True)]]}
     best = {}
     for bucket, cfgs in grid.items():
         bs_list = [batch(pools[0].shape[0], bs, ctx, h, tq, gen) for h, bs, ctx, tq in shapes[bucket]]

@@ -178,6 +178,8 @@ def fused_mla(
         BLOCK_N=cfg["block_n"],
         DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
         F16=bool(cfg.get("f16", False)),
+        PV_ASM=bool(cfg.get("pv_asm", False))
+        and os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),

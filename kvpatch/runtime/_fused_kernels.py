@@ -40,7 +40,7 @@ _fused_kernels = (
 
 def _fused_build():
     # The helpers are module globals: Triton resolves the names a kernel calls there.
-    global _fused_kernels, _fused_rows, _fused_q, _fused_amax
+    global _fused_kernels, _fused_rows, _fused_vrows, _fused_q, _fused_amax
     if _fused_kernels is not None:
         return _fused_kernels
     try:
@@ -65,6 +65,37 @@ def _fused_build():
             x = x.to(tl.bfloat16)
         if DOT_F32:
             x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _fused_vrows(
+        row, cols, ok, DOT_F32: tl.constexpr, F16: tl.constexpr, PV_ASM: tl.constexpr
+    ):
+        # The PV operand V is [positions, latent]: for the dot it must be read transposed,
+        # which ldmatrix does for 16-bit values only, so FP8 kept in shared memory is read
+        # back a byte at a time (128 ld.shared.b8 a thread a step). PV_ASM converts in
+        # registers, through an opaque cvt the pipeliner does not move past shared memory:
+        # the operand is staged as f16/bf16 and read with ldmatrix.trans.
+        if PV_ASM:
+            x = tl.load(
+                row + cols[None, :],
+                mask=ok[:, None],
+                other=0.0,
+                eviction_policy="evict_first",
+            )
+            x = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r",
+                [x.to(tl.uint8, bitcast=True)],
+                dtype=tl.float16,
+                is_pure=False,
+                pack=4,
+            )
+            if not F16:
+                x = x.to(tl.bfloat16)  # exact: every e4m3 value is a bf16 value
+        else:
+            x = _fused_rows(row, cols, ok, DOT_F32, "evict_first", F16)
         return x
 
     @triton.jit
@@ -124,6 +155,7 @@ def _fused_build():
         BLOCK_N: tl.constexpr,
         DOT_F32: tl.constexpr,
         F16: tl.constexpr,
+        PV_ASM: tl.constexpr,
     ):
         # The latent (D = 4 x C) is handled in four column chunks, each its own operand
         # and accumulator: a whole [BLOCK_N, 512] bf16 tile as one dot operand pinned
@@ -252,22 +284,22 @@ def _fused_build():
                 pb = pb.to(tl.float32)
             acc0 = tl.dot(
                 pb,
-                _fused_rows(row, c, ok, DOT_F32, "evict_first", F16),
+                _fused_vrows(row, c, ok, DOT_F32, F16, PV_ASM),
                 acc0 * alpha[:, None],
             )
             acc1 = tl.dot(
                 pb,
-                _fused_rows(row, C + c, ok, DOT_F32, "evict_first", F16),
+                _fused_vrows(row, C + c, ok, DOT_F32, F16, PV_ASM),
                 acc1 * alpha[:, None],
             )
             acc2 = tl.dot(
                 pb,
-                _fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_first", F16),
+                _fused_vrows(row, 2 * C + c, ok, DOT_F32, F16, PV_ASM),
                 acc2 * alpha[:, None],
             )
             acc3 = tl.dot(
                 pb,
-                _fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_first", F16),
+                _fused_vrows(row, 3 * C + c, ok, DOT_F32, F16, PV_ASM),
                 acc3 * alpha[:, None],
             )
             m_i = m_new

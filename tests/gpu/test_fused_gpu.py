@@ -328,3 +328,19 @@ def test_cached_launch_matches_the_triton_launch_and_respecialises():
     RT._fused_compiled.clear()
     assert torch.equal(run(q2n, q2p, pool, kv_indptr=indptr, kv_indices=perm),
                        run(q2n, q2p, pool, kv_indptr=indptr, kv_indices=perm))
+
+
+@pytest.mark.parametrize("f16", [True, False])
+def test_v_converted_before_its_transposed_read(f16):
+    """pv_asm: V converted to 16 bits in registers (inline cvt) and read with ldmatrix.trans.
+    The same fp32-reference check as every path, with draft tokens and causal."""
+    lens = [4, 77, 4096, 513]
+    pool = fp8_pool(40_000)
+    perm, indptr = indptr_batch(lens, 40_000)
+    qn, qp = queries(len(lens) * 4, 16)
+    cfg = {"pv_asm": True, "f16": f16}
+    out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=True, config=cfg)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), 4, True)
+    assert ok(out, ref), rel_err(out, ref)
+    again = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=True, config=cfg)
+    assert torch.equal(out, again)
