@@ -152,3 +152,26 @@ def test_sabotage_a_stale_length_in_the_page_cast_fails_the_comparison(rt, monke
                         lambda src, dst, table, lens, ps: real(src, dst, table, lens - 16, ps))
     got = rt.paged_attention(fa3, **_kw(pool, 16, pt, sl, q, cu, 1))
     assert not torch.equal(got, want)
+
+
+class _OnCuda:
+    """A pool stand-in that reports a CUDA device (the contract check reads only that)."""
+
+    def __init__(self, pool):
+        self.device, self.shape = torch.device("cuda", 0), pool.shape
+
+
+def test_the_fused_contract_takes_sglangs_own_call(rt, monkeypatch):
+    """SGLang 0.5.23's absorbed-MLA decode call passes k_descale=None, v_descale=None,
+    cu_seqlens_k_new, ver, num_splits, softcap=0.0 and return_softmax_lse=False: none of
+    these changes what the kernel computes, so the call is the fused path's (an argument
+    name it does not know, or a descale that is set, keeps the call on the kernel)."""
+    monkeypatch.setattr(rt, "_cuda_available", lambda: True)
+    pool, pt, sl, q, cu = case(16, 1)
+    sglang = dict(k_descale=None, v_descale=None, cu_seqlens_k_new=cu, ver=3, num_splits=0, softcap=0.0,
+                  return_softmax_lse=False)
+    fake = _OnCuda(rt._pool_of(*_caches(pool, 16)))
+    assert rt._fused_shape(_kw(pool, 16, pt, sl, q, cu, 1, **sglang), fake) == (q.shape[1], 1, pt.shape[0])
+    for extra in ({"k_descale": torch.ones(1)}, {"softcap": 30.0}, {"return_softmax_lse": True},
+                  {"window_size": (128, 0)}, {"new_option": 1}):
+        assert rt._fused_shape(_kw(pool, 16, pt, sl, q, cu, 1, **dict(sglang, **extra)), fake) is None, extra

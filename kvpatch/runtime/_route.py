@@ -70,6 +70,21 @@ _FA3_DEFAULTS = {
     "return_softmax_lse": (False,),
     "attention_chunk": (0, None),
 }
+# Arguments the fused path serves only as None (SGLang passes k_descale=None, say).
+_FA3_NONE = (
+    "k",
+    "v",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "rotary_cos",
+    "rotary_sin",
+    "rotary_seqlens",
+    "cache_batch_idx",
+    "cache_leftpad",
+    "sinks",
+)
+_FA3_KNOWN = frozenset(_FA3_READ + _FA3_STEERING + tuple(_FA3_DEFAULTS) + _FA3_NONE)
 _fused_failed = (
     set()
 )  # (device, heads, tq) whose fused launch raised: gather from then on
@@ -135,10 +150,9 @@ def _pool_of(k, v):
     stride and the same page geometry."""
     if k.dtype is not _FP8 or v.dtype is not _FP8 or k.dim() != 4 or v.dim() != 4:
         return None
-    try:
-        same = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-    except Exception:
-        return None
+    # One storage: the same base address (one-byte elements: data_ptr - storage_offset),
+    # cheaper on the host than comparing untyped_storage() objects.
+    same = k.data_ptr() - k.storage_offset() == v.data_ptr() - v.storage_offset()
     row = _slot_stride(k)
     width = v.shape[-1] + k.shape[-1]
     if not (
@@ -165,23 +179,9 @@ def _fused_shape(kw, pool):
         return None
     if any(kw.get(name) not in ok for name, ok in _FA3_DEFAULTS.items() if name in kw):
         return None
-    if any(name not in _FA3_READ + _FA3_STEERING + tuple(_FA3_DEFAULTS) for name in kw):
+    if any(name not in _FA3_KNOWN for name in kw):
         return None
-    if any(
-        kw.get(name) is not None
-        for name in (
-            "k",
-            "v",
-            "q_descale",
-            "k_descale",
-            "v_descale",
-            "rotary_cos",
-            "rotary_sin",
-            "cache_batch_idx",
-            "cache_leftpad",
-            "sinks",
-        )
-    ):
+    if any(kw.get(name) is not None for name in _FA3_NONE):
         return None
     q, qv, pt, sl = (
         kw.get("q"),
