@@ -129,6 +129,7 @@ def fused_mla(
         table, lens, table_stride = page_table, cache_seqlens, page_table.stride(0)
         if page_table.stride(1) != 1:
             raise ValueError("fused_mla: page_table rows must be contiguous")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     kernels = _fused_build()
     if not kernels:
         raise RuntimeError("fused_mla needs Triton")
@@ -176,10 +177,9 @@ def fused_mla(
         HAS_KPE_SCALE=kpe_t is not None,
         BLOCK_M=block_m,
         BLOCK_N=cfg["block_n"],
-        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
+        DOT_F32=interpret,
         F16=bool(cfg.get("f16", False)),
-        PV_ASM=bool(cfg.get("pv_asm", False))
-        and os.environ.get("TRITON_INTERPRET") != "1",
+        PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),

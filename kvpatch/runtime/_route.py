@@ -150,9 +150,10 @@ def _pool_of(k, v):
     stride and the same page geometry."""
     if k.dtype is not _FP8 or v.dtype is not _FP8 or k.dim() != 4 or v.dim() != 4:
         return None
-    # One storage: the same base address (one-byte elements: data_ptr - storage_offset),
-    # cheaper on the host than comparing untyped_storage() objects.
-    same = k.data_ptr() - k.storage_offset() == v.data_ptr() - v.storage_offset()
+    try:
+        same = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    except Exception:
+        return None
     row = _slot_stride(k)
     width = v.shape[-1] + k.shape[-1]
     if not (

@@ -29,9 +29,10 @@ class FullPoolGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if len(self.hits) < 8:
-            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            views = [t.shape for t in ins if _storage_ptr(t) == self.ptr and t.numel() * 16 >= self.numel]
-            if any(_storage_ptr(t) == self.ptr for t in ins):
+            mine = [t for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and _storage_ptr(t) == self.ptr]
+            views = [t.shape for t in mine if t.numel() * 16 >= self.numel]
+            if mine:
                 for o in tree_leaves(out):
                     if (isinstance(o, torch.Tensor) and (o.numel() >= self.numel or o.shape in views)
                             and _storage_ptr(o) != self.ptr):
