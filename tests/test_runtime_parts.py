@@ -64,3 +64,16 @@ def test_runtime_source_is_stamped_and_versioned():
     src = R.runtime_source()
     assert R.runtime_version(src) == R.runtime_version() != "unknown"
     assert R.TEMPLATE.read_text() == R.joined()
+
+
+def test_the_modes_verify_drives_are_the_runtimes():
+    """kvpatch/names.py spells the mode switch and modes for verify; the runtime, which
+    imports nothing of kvpatch, spells its own in _modes.py. They must agree."""
+    from kvpatch.names import MODE_AUTO, MODE_ENV, MODE_FUSED, MODE_GATHER, MODE_NATIVE
+
+    src = (Path(R.__file__).parent / "_modes.py").read_text(encoding="utf-8")
+    tree = ast.parse(src)
+    modes = next(ast.literal_eval(n.value) for n in tree.body
+                 if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_MODES" for t in n.targets))
+    assert {MODE_AUTO, MODE_FUSED, MODE_GATHER, MODE_NATIVE} <= set(modes)
+    assert f'os.environ.get("{MODE_ENV}"' in src

@@ -341,3 +341,19 @@ def test_real_sglang_fa3_catches_a_page_short(tmp_path, monkeypatch, form, sabot
     (root / "python" / FA3_REL).with_name("_kvpatch_runtime.py").write_text(sabotage)
     r = run_verify(root, device="cpu", quick=True)
     assert not r.ok and {c.qualname for c in r.failures} == FA3_SITES
+
+
+ROUTED_WHOLE = RUNTIME.read_text() + '''
+
+def _gathered(kw, pool):
+    # Sabotage: every routed call casts its two cache views whole (what a lost pool does).
+    return _cast_fp8_args(kw, kw["q"])
+'''
+
+
+def test_routed_calls_that_cast_their_views_whole_are_caught(tmp_path):
+    """Each view is a part of every slot (64 or 512 of 576 bytes): the guard flags a
+    same-shaped copy of a pool view, not only a copy as large as the pool."""
+    r = run_verify(fixture_checkout(tmp_path, ROUTED_WHOLE, form=ROUTED), device="cpu", quick=True)
+    assert not r.ok
+    assert "full-pool cast not removed" in failures_text(r) and "[4096, 1, 1, 64]" in failures_text(r)
