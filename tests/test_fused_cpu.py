@@ -116,17 +116,3 @@ def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_m
     assert errs[("table", "")] < 1.5e-2, errs
     assert errs[("bigq", "")] < 1.5e-2, errs  # nan (f16 overflow) without the power-of-two scaling
     assert errs[("nomask", "")] > 1.5e-2, errs  # the check fails on a missing causal mask
-
-
-def test_the_cached_launch_key_tells_apart_what_triton_specialises_on():
-    """fused_mla reuses a compiled kernel only under the same key: a tensor's dtype and
-    16-byte alignment, an int's ==1 and %16 classes (Triton's specialisation), so a
-    misaligned pointer or a stride of 1 never runs a binary built for another."""
-    rt = load_fused()
-    x = torch.zeros(64, dtype=BF16)
-    spec = rt._fused_spec
-    assert spec(x) != spec(x[1:])  # 2 bytes off: another alignment class
-    assert spec(x) != spec(x.to(torch.float32))
-    assert spec(x) == spec(torch.zeros(64, dtype=BF16))
-    assert len({spec(1), spec(16), spec(17), spec(32)}) == 3 and spec(16) == spec(32)
-    assert spec(0.5) == spec(0.25)  # floats are not specialised

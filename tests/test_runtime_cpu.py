@@ -663,7 +663,7 @@ def test_a_triton_launch_that_fails_falls_back_to_torch_once_and_is_not_retried(
 
     monkeypatch.setattr(rt, "_triton_ok", lambda *a: True)
     monkeypatch.setattr(rt, "_get_page_kernel", lambda: object())
-    monkeypatch.setattr(rt, "_launch" if cast == "gather" else "_launch_pages", broken)
+    monkeypatch.setattr(rt, "_launch_gather" if cast == "gather" else "_launch", broken)
     monkeypatch.setattr(rt.torch.Tensor, "is_cuda", property(lambda t: True))
     idx = torch.tensor([3, 9, 40], dtype=torch.int32)
     table = torch.tensor([[3, 9]], dtype=torch.int32)

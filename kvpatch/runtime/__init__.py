@@ -5,6 +5,7 @@ self-contained module ``apply`` writes next to each patched backend as
 ``_kvpatch_runtime.py``, stamped with the kvpatch version that wrote it:
 
     _modes      the head: docstring, imports, version, __all__, state, probes, mode()
+    _launch     Triton launches at low host cost (the compiled kernel's own launcher)
     _dispatch   the plan and run hooks a patched backend calls
     _gather     the gathered cast (Triton, or the torch fallback)
     _kernels    the Triton kernels, built on first CUDA use
@@ -33,7 +34,7 @@ from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE,
 # RUNTIME_FILENAME is re-exported: kvpatch/patch.py and the tests take it from here.
 __all__ = ["PARTS", "RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
 
-PARTS = ("_modes", "_dispatch", "_gather", "_kernels", "_pages", "_sparse", "_fused_kernels", "_fused", "_route",
+PARTS = ("_modes", "_launch", "_dispatch", "_gather", "_kernels", "_pages", "_sparse", "_fused_kernels", "_fused", "_route",
          "_reset")
 _HERE = Path(__file__).resolve().parent
 _FROM = "# -- joined from here --\n"

@@ -12,6 +12,7 @@ import os
 import torch
 
 from kvpatch.runtime._fused_kernels import _fused_build
+from kvpatch.runtime._launch import _launch, _launch_ident
 
 # -- joined from here --
 
@@ -45,28 +46,44 @@ FUSED_TUNING = {
     },
 }  # best of the H200 sweep, GPU run 15 (notes/gpu-runs.md); f16 dots are not measured on a GPU yet
 
-_fused_scratch = {}  # (device, rows, splits) -> (partial out fp32, partial lse fp32)
+_fused_scratch = (
+    {}
+)  # device -> the largest (partial out fp32, partial lse fp32) made so far
+_fused_plans = {}  # a call's geometry -> its launch plan (see fused_mla)
+_fused_last = (
+    {}
+)  # the compiled kernels of the last call (benchmarks read registers, spills)
 
 
 def _fused_bucket(m_rows):
     return "small" if m_rows <= 16 else "large"
 
 
-def _fused_scratch_for(device, rows, splits, width):
-    key = (device, rows, splits, width)
-    bufs = _fused_scratch.get(key)
-    if bufs is None:
+def _fused_scratch_for(device, rows, width):
+    """Partial-result buffers for at least `rows` rows. Grown, never per shape: eager mode
+    sees a new batch size on many steps. A plan keeps the buffers it was made with, so a
+    graph captured with them stays valid when a later, larger plan grows the scratch."""
+    bufs = _fused_scratch.get(device)
+    if bufs is None or bufs[1].shape[0] < rows:
+        rows = max(rows, 2 * bufs[1].shape[0] if bufs is not None else 0)
         # Never read before written: stage 2 reads only the splits stage 1 wrote.
         bufs = (
-            torch.empty((rows * splits, width), dtype=torch.float32, device=device),
-            torch.empty((rows * splits,), dtype=torch.float32, device=device),
+            torch.empty((rows, width), dtype=torch.float32, device=device),
+            torch.empty((rows,), dtype=torch.float32, device=device),
         )
-        _fused_scratch[key] = bufs
+        _fused_scratch[device] = bufs
     return bufs
 
 
 def _fused_sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fused_scale_key(sc):
+    """A scale's part of the plan key: None, its value (a number), or "tensor" (read per call)."""
+    if isinstance(sc, torch.Tensor):
+        return ("tensor", sc.dtype)
+    return None if sc is None else float(sc)
 
 
 def fused_mla(
@@ -99,6 +116,94 @@ def fused_mla(
     latent and rope parts; the latent scale also scales the output, V being the latent).
     Returns out. Graph-safe: no allocation after the first call per shape, no host sync.
     """
+    by_indptr = kv_indices is not None
+    table = kv_indices if by_indptr else page_table
+    lens = kv_indptr if by_indptr else cache_seqlens
+    # Everything the plan's checks and launch constants depend on; the call's own values
+    # (addresses, sm_scale, tensor scales) are read per call. Host time per eager call is
+    # the point: the checks run once per geometry, not per call.
+    key = (
+        q_nope.shape,
+        q_nope.stride(),
+        q_pe.shape,
+        q_pe.stride(),
+        out.shape,
+        out.stride(),
+        kv_buffer.shape,
+        kv_buffer.stride(),
+        table.shape,
+        table.stride(),
+        lens.shape,
+        (q_nope.dtype, q_pe.dtype, kv_buffer.dtype, out.dtype, table.dtype, lens.dtype),
+        kv_buffer.device,
+        by_indptr,
+        page_size,
+        q_per_request,
+        causal,
+        n_splits,
+        _fused_scale_key(ckv_scale),
+        _fused_scale_key(kpe_scale),
+    )
+    plan = _fused_plans.get(key) if config is None else None
+    if plan is None or plan["tuning"] is not FUSED_TUNING[plan["bucket"]]:
+        plan = _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config)
+        if config is None:
+            _fused_plans[key] = plan
+    # One alignment class for every caller tensor: all 16-byte aligned (the usual case)
+    # is the plan's own binary; any other goes through the full per-argument key.
+    aligned = (
+        not (
+            q_nope.data_ptr()
+            | q_pe.data_ptr()
+            | kv_buffer.data_ptr()
+            | table.data_ptr()
+            | lens.data_ptr()
+            | out.data_ptr()
+        )
+        & 15
+    )
+    ckv_t = ckv_scale if plan["ckv_tensor"] else plan["ckv_t"]
+    kpe_t = kpe_scale if plan["kpe_tensor"] else plan["kpe_t"]
+    part_o, part_lse = plan["scratch"]
+    spec = None
+    if aligned and plan["ident"] is not None:
+        spec = (
+            plan["ident"],
+            ckv_t is None or not ckv_t.data_ptr() & 15,
+            kpe_t is None or not kpe_t.data_ptr() & 15,
+        )
+    _fused_last["split"] = _launch(
+        plan["split_k"],
+        plan["split_grid"],
+        (
+            q_nope,
+            q_pe,
+            kv_buffer,
+            table if plan["flat"] else table.reshape(-1),
+            lens,
+            part_o,
+            part_lse,
+            ckv_t if ckv_t is not None else part_lse,
+            kpe_t if kpe_t is not None else part_lse,
+            float(sm_scale),
+        )
+        + plan["split_ints"],
+        plan["split_consts"],
+        spec,
+    )
+    _fused_last["combine"] = _launch(
+        plan["combine_k"],
+        plan["combine_grid"],
+        (part_o, part_lse, lens, out) + plan["combine_ints"],
+        plan["combine_consts"],
+        spec,
+    )
+    return out
+
+
+def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
+    """The checks and launch constants of one call geometry (fused_mla's plan)."""
+    by_indptr, page_size, q_per_request, causal, n_splits = key[13:18]
     n_tok, heads, d = q_nope.shape
     dpe = q_pe.shape[-1]
     tq = int(q_per_request)
@@ -122,12 +227,11 @@ def fused_mla(
         or out.stride(2) != 1
     ):
         raise ValueError("fused_mla: last dims must be contiguous")
-    by_indptr = kv_indices is not None
     if by_indptr:
-        table, lens, table_stride = kv_indices.reshape(-1), kv_indptr, 0
+        flat, table_stride = table.is_contiguous(), 0
     else:
-        table, lens, table_stride = page_table, cache_seqlens, page_table.stride(0)
-        if page_table.stride(1) != 1:
+        flat, table_stride = True, table.stride(0)
+        if table.stride(1) != 1:
             raise ValueError("fused_mla: page_table rows must be contiguous")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     kernels = _fused_build()
@@ -135,129 +239,84 @@ def fused_mla(
         raise RuntimeError("fused_mla needs Triton")
     split_k, combine_k = kernels
     m_rows = tq * heads
-    cfg = dict(FUSED_TUNING[_fused_bucket(m_rows)], **(config or {}))
+    bucket = _fused_bucket(m_rows)
+    tuning = FUSED_TUNING[bucket]
+    cfg = dict(tuning, **(config or {}))
     block_m = min(cfg["block_m"], max(16, 1 << (m_rows - 1).bit_length()))
     groups = -(-m_rows // block_m)
     if n_splits is None:
         target = _fused_sm_count(kv2.device) * cfg["ctas_per_sm"]
         n_splits = max(1, min(64, -(-target // max(1, batch * groups))))
-    part_o, part_lse = _fused_scratch_for(kv2.device, batch * m_rows, n_splits, d)
-    ckv_t = _fused_scale_tensor(ckv_scale, kv2.device)
-    kpe_t = _fused_scale_tensor(kpe_scale, kv2.device)
-    _fused_last["split"] = _fused_launch(
-        split_k,
-        (batch, n_splits, groups),
-        q_nope,
-        q_pe,
-        kv2,
-        table,
-        lens,
-        part_o,
-        part_lse,
-        ckv_t if ckv_t is not None else part_lse,
-        kpe_t if kpe_t is not None else part_lse,
-        float(sm_scale),
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv2.stride(0),
-        table_stride,
-        kv2.shape[0],
-        n_splits,
-        cfg["min_split"],
-        H=heads,
-        TQ=tq,
-        D=d,
-        DPE=dpe,
-        PS=int(page_size),
-        BY_INDPTR=by_indptr,
-        CAUSAL=bool(causal) and tq > 1,
-        HAS_CKV_SCALE=ckv_t is not None,
-        HAS_KPE_SCALE=kpe_t is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=cfg["block_n"],
-        DOT_F32=interpret,
-        F16=bool(cfg.get("f16", False)),
-        PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-    )
-    _fused_last["combine"] = _fused_launch(
-        combine_k,
-        (batch * m_rows,),
-        part_o,
-        part_lse,
-        lens,
-        out,
-        out.stride(0),
-        out.stride(1),
-        n_splits,
-        cfg["min_split"],
-        H=heads,
-        TQ=tq,
-        D=d,
-        PS=int(page_size),
-        BY_INDPTR=by_indptr,
-        BLOCK_N=cfg["block_n"],
-        num_warps=4,
-    )
-    return out
-
-
-# Launches after the first of a kind skip Triton's per-call binder (tens of µs of host
-# time in eager mode): the compiled kernel is kept under a key that holds everything its
-# binary depends on (constexprs, options, each tensor's dtype and 16-byte alignment, each
-# int's ==1 / %16 class, the device), and its launcher is called directly.
-_fused_compiled = {}
-
-
-def _fused_spec(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, int):
-        return (a == 1, a % 16 == 0)
-    return type(a)
-
-
-def _fused_launch(kernel, grid, *args, **kw):
-    import triton
-
-    hooks = triton.knobs.runtime
-    if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
-        return kernel[grid](*args, **kw)  # a profiler listens: Triton's own path
-    dev = args[0].device
-    key = (kernel, dev, tuple(_fused_spec(a) for a in args), tuple(kw.items()))
-    ck = _fused_compiled.get(key)
-    if ck is None:
-        ck = kernel[grid](*args, **kw)
-        if hasattr(ck, "packed_metadata"):  # not the interpreter
-            _fused_compiled[key] = ck
-        return ck
-    names = kernel.arg_names
-    stream = triton.runtime.driver.active.get_current_stream(dev.index)
-    g = tuple(grid) + (1,) * (3 - len(grid))
-    ck.run(
-        g[0],
-        g[1],
-        g[2],
-        stream,
-        ck.function,
-        ck.packed_metadata,
-        None,
-        None,
-        None,
-        *args,
-        *[kw[n] for n in names[len(args) :]],
-    )
-    return ck
+    ckv_key, kpe_key = key[18:20]
+    ckv_tensor, kpe_tensor = isinstance(ckv_key, tuple), isinstance(kpe_key, tuple)
+    ckv_t = None if ckv_tensor else _fused_scale_tensor(ckv_key, kv2.device)
+    kpe_t = None if kpe_tensor else _fused_scale_tensor(kpe_key, kv2.device)
+    # A cached plan's ident stands for its constants in the launch key; a plan made for
+    # a one-off config is not cached and has none (the launch keys on its constants).
+    ident = _launch_ident("fused") if config is None else None
+    return {
+        "ident": ident,
+        "bucket": bucket,
+        "tuning": tuning,
+        "flat": flat,
+        "ckv_tensor": ckv_tensor,
+        "kpe_tensor": kpe_tensor,
+        "ckv_t": ckv_t,
+        "kpe_t": kpe_t,
+        "scratch": _fused_scratch_for(kv2.device, batch * m_rows * n_splits, d),
+        "split_k": split_k,
+        "split_grid": (batch, n_splits, groups),
+        # After sm_scale: the strides, the pool's slot count, the split count, min_split.
+        "split_ints": (
+            q_nope.stride(0),
+            q_nope.stride(1),
+            q_pe.stride(0),
+            q_pe.stride(1),
+            kv2.stride(0),
+            table_stride,
+            kv2.shape[0],
+            n_splits,
+            cfg["min_split"],
+        ),
+        "split_consts": tuple(
+            dict(
+                H=heads,
+                TQ=tq,
+                D=d,
+                DPE=dpe,
+                PS=int(page_size),
+                BY_INDPTR=by_indptr,
+                CAUSAL=bool(causal) and tq > 1,
+                HAS_CKV_SCALE=ckv_tensor or ckv_t is not None,
+                HAS_KPE_SCALE=kpe_tensor or kpe_t is not None,
+                BLOCK_M=block_m,
+                BLOCK_N=cfg["block_n"],
+                DOT_F32=interpret,
+                F16=bool(cfg.get("f16", False)),
+                PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+                **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+            ).items()
+        ),
+        "combine_k": combine_k,
+        "combine_grid": (batch * m_rows,),
+        "combine_ints": (out.stride(0), out.stride(1), n_splits, cfg["min_split"]),
+        "combine_consts": tuple(
+            dict(
+                H=heads,
+                TQ=tq,
+                D=d,
+                PS=int(page_size),
+                BY_INDPTR=by_indptr,
+                BLOCK_N=cfg["block_n"],
+                num_warps=4,
+            ).items()
+        ),
+    }
 
 
 _fused_scales = {}
-_fused_last = (
-    {}
-)  # the compiled kernels of the last call (benchmarks read registers, spills)
 
 
 def _fused_scale_tensor(sc, device):

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from kvpatch.runtime._launch import _launch
 from kvpatch.runtime._modes import _sm_count, _triton_failed, _warn_once, TUNING
 from kvpatch.runtime._kernels import _get_kernel, _row_split
 
@@ -77,7 +78,7 @@ def gather_cast(
             "gather",
             key,
             backend,
-            lambda: _launch(
+            lambda: _launch_gather(
                 src2, dst2, idx, indptr, indptr_pos, indptr2, indptr2_pos, rpi, cfg
             ),
         ):
@@ -137,7 +138,7 @@ def _triton_ok(src2, dst2, idx, indptr, indptr2, rpi, backend):
     return _get_kernel() is not None
 
 
-def _launch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi, cfg):
+def _launch_gather(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi, cfg):
     kernel = _get_kernel()
     n_rows, row_len = src2.shape
     main_d, tail_d = _row_split(row_len)
@@ -146,24 +147,30 @@ def _launch(src2, dst2, idx, indptr, pos1, indptr2, pos2, rpi, cfg):
     # graphs); the kernel loops over however many rows the device says are valid.
     max_blocks = -(-(idx.numel() * rpi) // br)
     grid = (max(1, min(_sm_count(src2.device) * cfg["programs_per_sm"], max_blocks)),)
-    kernel[grid](
-        src2,
-        dst2,
-        idx,
-        indptr,
-        int(pos1),
-        indptr2,
-        int(pos2),
-        idx.numel(),
-        n_rows // rpi,
-        src2.stride(0),
-        dst2.stride(0),
-        D=row_len,
-        MAIN_D=main_d,
-        TAIL_D=tail_d,
-        RPI=rpi,
-        BLOCK_ROWS=br,
-        num_warps=cfg["num_warps"],
+    _launch(
+        kernel,
+        grid,
+        (
+            src2,
+            dst2,
+            idx,
+            indptr,
+            int(pos1),
+            indptr2,
+            int(pos2),
+            idx.numel(),
+            n_rows // rpi,
+            src2.stride(0),
+            dst2.stride(0),
+        ),
+        (
+            ("D", row_len),
+            ("MAIN_D", main_d),
+            ("TAIL_D", tail_d),
+            ("RPI", rpi),
+            ("BLOCK_ROWS", br),
+            ("num_warps", cfg["num_warps"]),
+        ),
     )
 
 

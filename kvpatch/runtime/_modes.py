@@ -116,7 +116,8 @@ def _flashinfer_version():
 
 def _device_capability(device):
     """(major, minor) of a CUDA device, or None."""
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if device.type != "cuda":
         return None
     key = ("cap", device.index)

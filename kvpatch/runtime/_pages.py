@@ -9,6 +9,7 @@ alone, and are dropped.
 
 import torch
 
+from kvpatch.runtime._launch import _launch, _launch_ident
 from kvpatch.runtime._modes import _sm_count, _warn_once, mode, TUNING
 from kvpatch.runtime._dispatch import _shadow
 from kvpatch.runtime._gather import _cast_units_torch, _row_pair, _rows, _try_triton
@@ -39,6 +40,17 @@ def _table_ok(kv_buffer, table):
         and sl.device == kv_buffer.device
         and not sl.is_floating_point()
     )
+
+
+_rows_verdicts = {}  # (shape, strides) -> whether _rows finds [slots, slot_len] rows
+
+
+def _rows_ok(t):
+    key = (t.shape, t.stride())
+    ok = _rows_verdicts.get(key)
+    if ok is None:
+        ok = _rows_verdicts[key] = _rows(t) is not None
+    return ok
 
 
 def _resolve(table):
@@ -75,7 +87,7 @@ def kv_pages_for_kernel(kv_buffer, q_dtype, page_size, *tables):
     if (
         ps is None
         or not all(_table_ok(kv_buffer, t) for t in live)
-        or _rows(kv_buffer) is None
+        or not _rows_ok(kv_buffer)
     ):
         _warn_once(
             ("pages", type(page_size).__name__, len(tables)),
@@ -104,6 +116,11 @@ def ragged_pages(kv_indptr, kv_indices, page_size):
     return kv_indices.reshape(1, -1), count * int(page_size)
 
 
+_page_plans = (
+    {}
+)  # a page cast's geometry -> its plan (checks and launch constants, see page_cast)
+
+
 def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", config=None):
     """dst[r] = src[r].to(dst.dtype) for every slot r of every page the table reads.
 
@@ -113,29 +130,52 @@ def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", confi
     of range are skipped; a page shared by two requests is cast once per reader, with the
     same bytes. No host sync. Returns the path taken, "triton" or "torch".
     """
-    src2, dst2 = _row_pair("page_cast", src, dst, backend)
-    ps = int(page_size)
-    if page_table.numel() == 0 or src2.shape[0] < ps:
-        return "torch"
-    cfg = dict(TUNING, **(config or {}))
-    usable = (
-        (src2.is_cuda or backend == "triton")
-        and src2.stride(1) == 1
-        and dst2.stride(1) == 1
-        and page_table.stride(1) == 1
-        and page_table.shape[1] * ps < 2**31
-        and page_table.dtype in (torch.int32, torch.int64)
-        and (seqlens is None or seqlens.dtype in (torch.int32, torch.int64))
+    sl = page_table if seqlens is None else seqlens
+    # The checks and launch constants depend on these alone: made once per geometry, as
+    # eager mode calls this per layer per step (host time, issue 17).
+    key = (
+        src.shape,
+        src.stride(),
+        dst.shape,
+        dst.stride(),
+        page_table.shape,
+        page_table.stride(),
+        sl.shape,
+        sl.stride(),
+        (src.dtype, dst.dtype, page_table.dtype, sl.dtype, seqlens is None),
+        src.device,
+        dst.device,
+        page_size,
+        backend,
     )
-    if backend != "torch" and usable and _get_page_kernel() is not None:
-        key = ("pages", src.dtype, dst.dtype, ps, cfg["block_rows"], cfg["num_warps"])
-        launch = lambda: _launch_pages(
-            src2, dst2, page_table, seqlens, ps, cfg
-        )  # noqa: E731
-        if _try_triton("page cast", key, backend, launch):
+    plan = _page_plans.get(key) if config is None else None
+    if plan is None:
+        plan = _page_plan(src, dst, page_table, seqlens, page_size, backend, config)
+        if config is None:
+            _page_plans[key] = plan
+    if plan is False:
+        return "torch"  # nothing to read
+    if plan["triton"]:
+        aligned = (
+            not (
+                src.data_ptr() | dst.data_ptr() | page_table.data_ptr() | sl.data_ptr()
+            )
+            & 15
+        )
+        args = (src, dst, page_table, plan["pt_stride"], sl) + plan["ints"]
+        launch = lambda: _launch(  # noqa: E731
+            plan["kernel"],
+            plan["grid"],
+            args,
+            plan["consts"],
+            plan["ident"] if aligned else None,
+        )
+        if _try_triton("page cast", plan["fail_key"], backend, launch):
             return "triton"
     elif backend == "triton":
         raise RuntimeError("page_cast: Triton path not available for these tensors")
+    src2, dst2 = _rows(src), _rows(dst)
+    ps = plan["ps"]
     units = src2.shape[0] // ps
     rows, cols = page_table.shape
     i = page_table.long().reshape(-1)
@@ -148,12 +188,29 @@ def page_cast(src, dst, page_table, seqlens, page_size, *, backend="auto", confi
     return "torch"
 
 
-def _launch_pages(src2, dst2, pt, sl, ps, cfg):
-    kernel = _get_page_kernel()
+def _page_plan(src, dst, page_table, seqlens, page_size, backend, config):
+    """page_cast's checks and launch constants for one geometry; False: nothing to read."""
+    src2, dst2 = _row_pair("page_cast", src, dst, backend)
+    ps = int(page_size)
+    if page_table.numel() == 0 or src2.shape[0] < ps:
+        return False
+    cfg = dict(TUNING, **(config or {}))
+    usable = (
+        (src2.is_cuda or backend == "triton")
+        and src2.stride(1) == 1
+        and dst2.stride(1) == 1
+        and page_table.stride(1) == 1
+        and page_table.shape[1] * ps < 2**31
+        and page_table.dtype in (torch.int32, torch.int64)
+        and (seqlens is None or seqlens.dtype in (torch.int32, torch.int64))
+    )
+    plan = {"ps": ps, "triton": False}
+    if backend == "torch" or not usable or _get_page_kernel() is None:
+        return plan
     n_rows, row_len = src2.shape
     main_d, tail_d = _row_split(row_len)
     br = cfg["block_rows"]
-    rows, cols = pt.shape
+    rows, cols = page_table.shape
     # Static grid (fixed under CUDA graphs): per request, enough programs to fill the
     # chip, never more than its widest possible page run needs.
     per_req = max(
@@ -163,23 +220,33 @@ def _launch_pages(src2, dst2, pt, sl, ps, cfg):
             -(-(cols * ps) // br),
         ),
     )
-    every = sl is None  # no lengths: every entry of each row is read
-    kernel[(rows, per_req)](
-        src2,
-        dst2,
-        pt,
-        pt.stride(0),
-        pt if every else sl,
-        0 if every else sl.stride(0),
-        cols,
-        n_rows // ps,
-        src2.stride(0),
-        dst2.stride(0),
-        D=row_len,
-        MAIN_D=main_d,
-        TAIL_D=tail_d,
-        PS=ps,
-        EVERY=every,
-        BLOCK_ROWS=br,
-        num_warps=cfg["num_warps"],
+    every = seqlens is None  # no lengths: every entry of each row is read
+    consts = (
+        ("D", row_len),
+        ("MAIN_D", main_d),
+        ("TAIL_D", tail_d),
+        ("PS", ps),
+        ("EVERY", every),
+        ("BLOCK_ROWS", br),
+        ("num_warps", cfg["num_warps"]),
     )
+    plan.update(
+        triton=True,
+        kernel=_get_page_kernel(),
+        grid=(rows, per_req),
+        pt_stride=page_table.stride(0),
+        # After the lengths: their stride, the table's width, the pool's pages, the row strides.
+        ints=(
+            0 if every else seqlens.stride(0),
+            cols,
+            n_rows // ps,
+            src2.stride(0),
+            dst2.stride(0),
+        ),
+        consts=consts,
+        # Everything the binary depends on is in the plan's key, so its launches may key
+        # on the plan (an uncached plan, made for a one-off config, keys on its arguments).
+        ident=_launch_ident("pages") if config is None else None,
+        fail_key=("pages", src.dtype, dst.dtype, ps, br, cfg["num_warps"]),
+    )
+    return plan

@@ -14,7 +14,9 @@ from kvpatch.runtime._modes import (
     _triton_failed,
     _warned,
 )
-from kvpatch.runtime._route import _fused_failed
+from kvpatch.runtime._route import _fused_failed, _pool_geometry
+from kvpatch.runtime._pages import _page_plans
+from kvpatch.runtime._fused import _fused_plans
 from kvpatch.runtime._sparse import _deferred_shadows, _deferred_src
 
 # -- joined from here --
@@ -25,7 +27,7 @@ from kvpatch.runtime._sparse import _deferred_shadows, _deferred_src
 
 
 def reset():
-    """Drop the cached mode, probes, warnings and shadow buffers."""
+    """Drop the cached mode, probes, warnings, shadow buffers and launch plans."""
     global _requested, _mode
     _requested = _mode = None
     _shadows.clear()
@@ -36,6 +38,9 @@ def reset():
     _fused_failed.clear()
     _deferred_shadows.clear()
     _deferred_src.clear()
+    _page_plans.clear()
+    _fused_plans.clear()
+    _pool_geometry.clear()
 
 
 def poison_shadows(value=float("nan")):

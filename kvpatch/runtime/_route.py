@@ -10,7 +10,7 @@ alone, and are dropped.
 import torch
 
 from kvpatch.runtime._modes import (
-    _cuda_available,
+    _mode,
     _device_capability,
     _FP8,
     _requested,
@@ -144,10 +144,45 @@ def _slot_stride(t):
     return t.stride(1) if t.stride(0) == t.stride(1) * t.shape[1] else None
 
 
+_pool_geometry = (
+    {}
+)  # the views' addresses, shapes, strides, dtypes -> the pool's (slots, width, row), or None
+_UNSEEN = object()
+
+
 def _pool_of(k, v):
     """The [slots, row] pool that the views k (rope part) and v (latent part) were cut
     from, or None: v must start a row, k follow it in the same row, both with the rows'
-    stride and the same page geometry."""
+    stride and the same page geometry. The verdict is kept per the views' addresses and
+    geometry (the same layer's views are new objects every call): two views at the same
+    addresses with the same shapes and strides lie as the first two did, one storage."""
+    key = (
+        k.data_ptr(),
+        v.data_ptr(),
+        k.shape,
+        v.shape,
+        k.stride(),
+        v.stride(),
+        k.dtype,
+        v.dtype,
+    )
+    geo = _pool_geometry.get(key, _UNSEEN)
+    if geo is _UNSEEN:
+        geo = _pool_geometry_of(k, v)
+        if len(_pool_geometry) >= 4096:  # layers x pools: a bound, not a working set
+            _pool_geometry.clear()
+        _pool_geometry[key] = geo
+    if geo is None:
+        return None
+    try:
+        return v.as_strided(geo[:2], (geo[2], 1), v.storage_offset())
+    except (
+        RuntimeError
+    ):  # not within v's storage after all: the whole casts, never wrong
+        return None
+
+
+def _pool_geometry_of(k, v):
     if k.dtype is not _FP8 or v.dtype is not _FP8 or k.dim() != 4 or v.dim() != 4:
         return None
     try:
@@ -169,51 +204,53 @@ def _pool_of(k, v):
         and v.storage_offset() % row == 0
     ):
         return None
-    slots = v.shape[0] * v.shape[1]
-    return v.as_strided((slots, width), (row, 1), v.storage_offset())
+    return (v.shape[0] * v.shape[1], width, row)
+
+
+_FA3_NONE_SET = frozenset(_FA3_NONE)
+_FA3_DEFAULT_SET = frozenset(_FA3_DEFAULTS)
 
 
 def _fused_shape(kw, pool):
     """(heads, query tokens per request, batch) when the fused path computes exactly what
-    FA3 would for this call, else None."""
-    if pool is None or not _cuda_available() or pool.device.type != "cuda":
+    FA3 would for this call, else None. Runs on every routed call: kept to plain reads.
+    """
+    if pool is None or pool.device.type != "cuda" or not _FA3_KNOWN.issuperset(kw):
         return None
-    if any(kw.get(name) not in ok for name, ok in _FA3_DEFAULTS.items() if name in kw):
-        return None
-    if any(name not in _FA3_KNOWN for name in kw):
-        return None
-    if any(kw.get(name) is not None for name in _FA3_NONE):
-        return None
-    q, qv, pt, sl = (
-        kw.get("q"),
-        kw.get("qv"),
-        kw.get("page_table"),
-        kw.get("cache_seqlens"),
-    )
-    if (
-        not all(isinstance(t, torch.Tensor) for t in (q, qv, pt, sl))
-        or pt.dim() != 2
-        or sl.dim() != 1
-    ):
+    for name in _FA3_NONE_SET.intersection(kw):
+        if kw[name] is not None:
+            return None
+    for name in _FA3_DEFAULT_SET.intersection(kw):
+        if kw[name] not in _FA3_DEFAULTS[name]:
+            return None
+    q, qv, pt, sl = kw["q"], kw.get("qv"), kw.get("page_table"), kw.get("cache_seqlens")
+    T = torch.Tensor
+    if not (isinstance(qv, T) and isinstance(pt, T) and isinstance(sl, T)):
         return None
     if (
         q.dtype is not torch.bfloat16
         or qv.dtype is not q.dtype
-        or q.dim() != 3
-        or qv.dim() != 3
+        or pt.dim() != 2
+        or sl.dim() != 1
     ):
         return None
-    if not isinstance(kw.get("softmax_scale"), float) or q.shape[1] != qv.shape[1]:
+    qs, qvs = q.shape, qv.shape
+    if (
+        len(qs) != 3
+        or len(qvs) != 3
+        or qs[:2] != qvs[:2]
+        or not isinstance(kw.get("softmax_scale"), float)
+    ):
         return None
     out = kw.get("out")
-    if out is not None and (
-        not isinstance(out, torch.Tensor)
-        or out.shape != qv.shape
-        or out.dtype != qv.dtype
-        or out.stride(-1) != 1
+    if out is not None and not (
+        isinstance(out, T)
+        and out.shape == qvs
+        and out.dtype is qv.dtype
+        and out.stride(-1) == 1
     ):
         return None
-    tokens, heads, batch = q.shape[0], q.shape[1], pt.shape[0]
+    tokens, heads, batch = qs[0], qs[1], pt.shape[0]
     if kw.get("cu_seqlens_q") is None:
         return None
     # Uniform query lengths, proven on the host: each request holds at most max_seqlen_q
@@ -225,7 +262,7 @@ def _fused_shape(kw, pool):
 
 
 def _want_fused(device, heads, tq):
-    m = mode()
+    m = _mode or mode()
     if m not in ("fused", "gather") or (device, heads, tq) in _fused_failed:
         return False
     if m == "fused":

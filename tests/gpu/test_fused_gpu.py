@@ -299,28 +299,28 @@ def test_sabotage_missing_causal_mask_fails_the_check():
 
 def test_cached_launch_matches_the_triton_launch_and_respecialises():
     """After the first launch of a kind, fused_mla calls the compiled kernel's launcher
-    directly (runtime _fused_launch). Its output must be Triton's own, bit for bit, on
+    directly (runtime part _launch). Its output must be Triton's own, bit for bit, on
     new tensors too; a query whose address is not 16-byte aligned is a different binary
     (Triton specialises pointers on alignment), so it must compile anew, not reuse."""
     pool = fp8_pool(4096)
     perm, indptr = indptr_batch([300, 77, 1024], 4096)
     q_nope, q_pe = queries(3, 16)
-    RT._fused_compiled.clear()
+    RT._launch_compiled.clear()
     first = run(q_nope, q_pe, pool, kv_indptr=indptr, kv_indices=perm)  # Triton's launch
-    n = len(RT._fused_compiled)
+    n = len(RT._launch_compiled)
     assert n == 2  # the split and combine kernels, kept
     again = run(q_nope, q_pe, pool, kv_indptr=indptr, kv_indices=perm)  # the cached launcher
-    assert torch.equal(first, again) and len(RT._fused_compiled) == n
+    assert torch.equal(first, again) and len(RT._launch_compiled) == n
     q2n, q2p = queries(3, 16, seed=9)  # other addresses, same kind
     ref = fused_reference(q2n, q2p, pool, 0.1, rows_indptr(perm, indptr), 1)
-    assert ok(run(q2n, q2p, pool, kv_indptr=indptr, kv_indices=perm), ref) and len(RT._fused_compiled) == n
+    assert ok(run(q2n, q2p, pool, kv_indptr=indptr, kv_indices=perm), ref) and len(RT._launch_compiled) == n
     flat = torch.empty(3 * 16 * 576 + 1, dtype=BF16, device=DEV)
     mis = flat[1:].view(3, 16, 576)  # 2 bytes past a 16-byte boundary
     mis.copy_(torch.cat([q2n, q2p], -1))
     out = run(mis[..., :512], mis[..., 512:], pool, kv_indptr=indptr, kv_indices=perm)
-    assert len(RT._fused_compiled) > n  # respecialised, not the aligned binary
+    assert len(RT._launch_compiled) > n  # respecialised, not the aligned binary
     assert ok(out, ref)
-    RT._fused_compiled.clear()
+    RT._launch_compiled.clear()
     assert torch.equal(run(q2n, q2p, pool, kv_indptr=indptr, kv_indices=perm),
                        run(q2n, q2p, pool, kv_indptr=indptr, kv_indices=perm))
 

@@ -1,0 +1,111 @@
+"""A part of the kvpatch runtime: Triton launches at low host cost (issue 17, eager host time).
+
+Not a module of its own: kvpatch/runtime/__init__.py joins the parts in the order of its
+PARTS into the one _kvpatch_runtime.py that apply injects, keeping only what follows the
+"joined from here" line. The parts share that one module's namespace (a `global` in one
+part rebinds a name another defines); the imports above the line only let a part read
+alone, and are dropped.
+"""
+
+import torch
+
+# -- joined from here --
+
+
+# ---------------------------------------------------------------------------
+# Kernel launches. Triton's own launch (kernel[grid](...)) binds and specialises every
+# argument in Python on every call: tens of µs of host time, paid per layer per step in
+# eager mode (prefill, batches above the graph capture sizes). After the first launch of
+# a specialisation, _launch calls the compiled kernel's launcher directly, under a key
+# holding everything the binary depends on: the kernel, its constexprs and options, the
+# current device, each tensor's dtype and 16-byte alignment, each int's ==1 / %16 / 32-bit
+# classes (a superset of Triton's own specialisation, so a key never names two binaries).
+
+_launch_compiled = {}
+_launch_triton = (
+    None  # (triton.knobs.runtime, current device, current stream), on first use
+)
+_launch_idents = [0]
+
+
+def _launch_ident(tag):
+    """A fresh name for a caller's plan, never reused in this process (reset() drops plans,
+    not compiled kernels: a launch key that names a plan must never name another)."""
+    _launch_idents[0] += 1
+    return (tag, _launch_idents[0])
+
+
+def _launch_spec(a):
+    """What Triton's binder specialises an argument on (key material, hashable)."""
+    t = type(a)
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
+        return (a.dtype, not a.data_ptr() & 15)
+    if t is int:
+        return (a == 1, not a & 15, -0x80000000 <= a <= 0x7FFFFFFF)
+    if t is bool or a is None:
+        return (t, a)
+    return t  # floats: fp32, never specialised on value
+
+
+def _launch_driver():
+    """(Triton's runtime knobs, current device, current stream), or False without a GPU driver."""
+    try:
+        import triton
+
+        drv = triton.runtime.driver.active
+        return (triton.knobs.runtime, drv.get_current_device, drv.get_current_stream)
+    except Exception:
+        return False
+
+
+def _launch(kernel, grid, args, consts, spec=None):
+    """kernel[grid](*args, **dict(consts)); returns the compiled kernel.
+
+    consts: a tuple of (name, value) items, the constexprs and launch options (hashable;
+    a caller keeps one per configuration). spec: None, or the caller's own hashable key
+    for everything the binary depends on besides the kernel and the device (constexprs,
+    options, every argument's dtype, alignment and int classes), when it can vouch for
+    them more cheaply than the per-argument key here."""
+    global _launch_triton
+    if _launch_triton is None:
+        _launch_triton = _launch_driver()
+    if (
+        not _launch_triton
+        or _launch_triton[0].launch_enter_hook is not None
+        or _launch_triton[0].launch_exit_hook is not None
+    ):
+        # No GPU driver (Triton's interpreter), or a profiler listens: Triton's own path.
+        return kernel[grid](*args, **dict(consts))
+    hooks, current_device, current_stream = _launch_triton
+    dev = current_device()
+    if spec is None:
+        key = (kernel, dev, consts, tuple([_launch_spec(a) for a in args]))
+    else:
+        key = (kernel, dev, spec)
+    hit = _launch_compiled.get(key)
+    if hit is None:
+        ck = kernel[grid](*args, **dict(consts))
+        if hasattr(ck, "packed_metadata"):  # not the interpreter
+            named = dict(consts)
+            _launch_compiled[key] = (
+                ck,
+                tuple(named[n] for n in kernel.arg_names[len(args) :]),
+            )
+        return ck
+    ck, tail = hit
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    ck.run(
+        grid[0],
+        g1,
+        g2,
+        current_stream(dev),
+        ck.function,
+        ck.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *tail,
+    )
+    return ck

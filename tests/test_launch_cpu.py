@@ -1,0 +1,217 @@
+"""Eager host time (issue 17): the runtime's cached launches and fused_mla's plans, on the CPU.
+
+A Triton launch through kernel[grid](...) binds every argument in Python on every call;
+the runtime calls the compiled kernel's own launcher after the first launch of a
+specialisation (runtime part _launch), and fused_mla keeps its checks and launch
+constants per call geometry (its plan). Both are caches, so what is tested here is that
+they never serve a call something made for another: a kernel and launch constants built
+for other alignments, dtypes, strides, tuning or scales. Fakes stand in for Triton's
+kernels (no GPU here); tests/gpu/test_fused_gpu.py runs the real ones."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the runtime needs torch")
+
+from kvpatch.runtime import load_template  # noqa: E402
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+
+
+@pytest.fixture
+def rt():
+    return load_template("_kvpatch_launch_cpu")
+
+
+class Hooks:
+    launch_enter_hook = None
+    launch_exit_hook = None
+
+
+class Compiled:
+    """What kernel[grid](...) returns: a compiled kernel with its own launcher."""
+
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", "meta"
+
+    def run(self, *a):
+        self.log.append(("run",) + a)
+
+
+class Kernel:
+    arg_names = ["x", "y", "n", "A", "B"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append(("bind", grid, args, kw))
+            return Compiled(self.log)
+        return launch
+
+
+@pytest.fixture
+def fake_triton(rt, monkeypatch):
+    hooks = Hooks()
+    monkeypatch.setattr(rt, "_launch_triton", (hooks, lambda: 0, lambda dev: 77))
+    rt._launch_compiled.clear()
+    return hooks
+
+
+def test_the_launch_key_tells_apart_what_triton_specialises_on(rt):
+    x = torch.zeros(64, dtype=BF16)
+    spec = rt._launch_spec
+    assert spec(x) != spec(x[1:])  # 2 bytes off: another alignment class
+    assert spec(x) != spec(x.to(torch.float32))
+    assert spec(x) == spec(torch.zeros(64, dtype=BF16))
+    assert len({spec(1), spec(16), spec(17), spec(32)}) == 3 and spec(16) == spec(32)
+    assert spec(2**31 - 16) != spec(2**31)  # i32 against i64
+    assert spec(0.5) == spec(0.25)  # floats are not specialised
+    assert spec(True) != spec(1) and spec(None) != spec(0)
+
+
+def test_second_launch_calls_the_compiled_launcher_with_the_constexprs_in_order(rt, fake_triton):
+    k = Kernel()
+    x, y = torch.zeros(8), torch.zeros(8)
+    consts = (("B", 2), ("A", 1), ("num_warps", 4))
+    rt._launch(k, (3, 2), (x, y, 5), consts)
+    assert [e[0] for e in k.log] == ["bind"] and k.log[0][3] == {"B": 2, "A": 1, "num_warps": 4}
+    rt._launch(k, (3, 2), (x, y, 5), consts)
+    run = k.log[-1]
+    assert run[0] == "run" and run[1:5] == (3, 2, 1, 77)  # grid padded to 3-D, the stream
+    assert run[-5:] == (x, y, 5, 1, 2)  # A then B: the kernel's order, not consts'
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int class", "consts"])
+def test_another_specialisation_binds_anew(rt, fake_triton, change):
+    k = Kernel()
+    x, y = torch.zeros(16), torch.zeros(16)
+    consts = (("A", 1), ("B", 2))
+    rt._launch(k, (1,), (x, y, 16), consts)
+    rt._launch(k, (1,), (x, y, 16), consts)
+    assert [e[0] for e in k.log] == ["bind", "run"]
+    args = {"misaligned": (x[1:], y, 16), "dtype": (x.double(), y, 16), "int class": (x, y, 17),
+            "consts": (x, y, 16)}[change]
+    rt._launch(k, (1,), args, (("A", 1), ("B", 3)) if change == "consts" else consts)
+    assert k.log[-1][0] == "bind"
+
+
+def test_a_listening_profiler_gets_tritons_own_launch(rt, fake_triton):
+    k = Kernel()
+    x = torch.zeros(8)
+    rt._launch(k, (1,), (x, x, 1), (("A", 1), ("B", 2)))
+    fake_triton.launch_enter_hook = lambda *a: None
+    rt._launch(k, (1,), (x, x, 1), (("A", 1), ("B", 2)))
+    assert [e[0] for e in k.log] == ["bind", "bind"]
+
+
+def test_no_gpu_driver_means_tritons_own_launch(rt, monkeypatch):
+    monkeypatch.setattr(rt, "_launch_triton", False)
+    k = Kernel()
+    x = torch.zeros(8)
+    for _ in range(2):
+        rt._launch(k, (1,), (x, x, 1), (("A", 1), ("B", 2)))
+    assert [e[0] for e in k.log] == ["bind", "bind"]
+
+
+# fused_mla's plans ---------------------------------------------------------------
+
+
+class FusedFakes:
+    """fused_mla with its launches recorded instead of run."""
+
+    def __init__(self, rt, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(rt, "_fused_build", lambda: ("split", "combine"))
+        monkeypatch.setattr(rt, "_fused_sm_count", lambda dev: 132)
+        monkeypatch.setattr(rt, "_launch", lambda k, grid, args, consts, spec=None:
+                            self.calls.append((k, grid, args, dict(consts), spec)))
+        rt._fused_plans.clear()
+        rt._fused_scratch.clear()
+
+    def split(self):
+        return [c for c in self.calls if c[0] == "split"]
+
+
+def _inputs(batch=2, heads=16, slots=256, base=None):
+    qn = torch.zeros(batch, heads, 512, dtype=BF16) if base is None else base[..., :512]
+    qp = torch.zeros(batch, heads, 64, dtype=BF16) if base is None else base[..., 512:]
+    pool = torch.zeros(slots, 1, 576, dtype=torch.uint8).view(FP8)
+    out = torch.empty(batch, heads, 512, dtype=BF16)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * 4
+    indices = torch.arange(batch * 4, dtype=torch.int32)
+    return qn, qp, pool, out, indptr, indices
+
+
+def test_a_plan_serves_its_geometry_only(rt, monkeypatch):
+    f = FusedFakes(rt, monkeypatch)
+    qn, qp, pool, out, indptr, indices = _inputs()
+    for _ in range(2):
+        rt.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
+    assert len(rt._fused_plans) == 1 and f.split()[0][4] == f.split()[1][4] is not None
+    qn3, qp3, _, out3, indptr3, indices3 = _inputs(batch=3)
+    rt.fused_mla(qn3, qp3, pool, out3, 0.1, kv_indptr=indptr3, kv_indices=indices3)
+    assert len(rt._fused_plans) == 2 and f.split()[-1][4] != f.split()[0][4]
+    assert f.split()[-1][1][0] == 3  # the grid follows the batch
+    # Queries cut from one [B, H, 576] tensor: other strides, another plan.
+    both = torch.zeros(2, 16, 576, dtype=BF16)
+    rt.fused_mla(both[..., :512], both[..., 512:], pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
+    args = f.split()[-1][2]
+    assert len(rt._fused_plans) == 3 and args[10] == 16 * 576 and args[11] == 576  # q_nope's strides
+    # Only q_nope's strides differ from the first plan's: a plan of its own all the same.
+    rt.fused_mla(both[..., :512], qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
+    assert len(rt._fused_plans) == 4 and f.split()[-1][2][10] == 16 * 576 and f.split()[-1][2][12] == 16 * 64
+
+
+def test_a_misaligned_query_takes_the_per_argument_key(rt, monkeypatch):
+    f = FusedFakes(rt, monkeypatch)
+    qn, qp, pool, out, indptr, indices = _inputs()
+    rt.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
+    flat = torch.zeros(2 * 16 * 576 + 1, dtype=BF16)
+    mis = flat[1:].view(2, 16, 576)
+    rt.fused_mla(mis[..., :512], mis[..., 512:], pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
+    assert f.split()[0][4] is not None and f.split()[-1][4] is None
+
+
+def test_replacing_a_tuning_bucket_rebuilds_the_plan(rt, monkeypatch):
+    f = FusedFakes(rt, monkeypatch)
+    qn, qp, pool, out, indptr, indices = _inputs()
+    rt.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
+    monkeypatch.setitem(rt.FUSED_TUNING, "small", dict(rt.FUSED_TUNING["small"], block_n=64))
+    rt.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
+    assert f.split()[0][3]["BLOCK_N"] != 64 and f.split()[-1][3]["BLOCK_N"] == 64
+    assert f.split()[-1][4] != f.split()[0][4]  # and another binary
+
+
+@pytest.mark.parametrize("scale,has", [(None, False), (1.0, False), (0.5, True), ("tensor", True)])
+def test_scales_reach_the_kernel_as_the_plan_says(rt, monkeypatch, scale, has):
+    f = FusedFakes(rt, monkeypatch)
+    qn, qp, pool, out, indptr, indices = _inputs()
+    sc = torch.full((1,), 0.25) if scale == "tensor" else scale
+    rt.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices, ckv_scale=sc)
+    _, _, args, consts, _ = f.split()[-1]
+    assert consts["HAS_CKV_SCALE"] is has
+    if scale == "tensor":
+        assert args[7] is sc  # the call's own tensor, read per call
+        sc2 = torch.full((1,), 2.0)
+        rt.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices, ckv_scale=sc2)
+        assert f.split()[-1][2][7] is sc2
+    elif has:
+        assert float(args[7]) == scale
+
+
+def test_scratch_grows_and_an_older_plan_keeps_its_buffers(rt, monkeypatch):
+    """A graph captured with a plan's scratch must keep pointing at live memory."""
+    f = FusedFakes(rt, monkeypatch)
+    small = _inputs(batch=1)
+    rt.fused_mla(*small[:4], 0.1, kv_indptr=small[4], kv_indices=small[5])
+    first = f.split()[-1][2][5]
+    big = _inputs(batch=400)
+    rt.fused_mla(*big[:4], 0.1, kv_indptr=big[4], kv_indices=big[5])
+    grown = f.split()[-1][2][5]
+    assert grown.shape[0] > first.shape[0]
+    rt.fused_mla(*small[:4], 0.1, kv_indptr=small[4], kv_indices=small[5])
+    assert f.split()[-1][2][5] is first
+    # Rows a split writes: batch x heads x splits, within the plan's buffer.
+    b, splits = 400, f.split()[1][1][1]
+    assert grown.shape[0] >= b * 16 * splits
