@@ -90,7 +90,9 @@ def backend_family(source: str) -> Tuple[str, str]:
     """(family, class to drive): FLASHINFER_MLA if the file defines the FlashInfer MLA
     backend and its updaters; FA3 with the class if it defines FlashAttentionBackend or a
     subclass of it (MUSA's MusaFlashAttentionBackend overrides both forwards with its own
-    sites); else ("", ""). SyntaxError propagates."""
+    sites); SPARSE with the first class whose forwards hand the cast to helper methods that
+    call a sparse kernel (NSA/DSA, KVP105); FA3 or AITER with a class whose forwards call
+    that kernel by name; else ("", ""). SyntaxError propagates."""
     tree = ast.parse(source)
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
     names = {n.name for n in classes}
