@@ -41,8 +41,9 @@ from .side import DECODE_SITE, PREFILL_SITE, Side
 from .spec import DFLASH, EAGLE
 from .fa3 import verify_fa3_target
 from .aiter import verify_aiter_target
+from .sparse import verify_sparse_target
 from .deadstore import verify_deletions
-from .targets import AITER, DEADSTORE, FA3, Target, find_targets
+from .targets import AITER, DEADSTORE, FA3, SPARSE, Target, find_targets
 from .verifier import FileVerifier
 from .world import CPU_SHAPES, GPU_SHAPES, QUICK_SHAPES, HarnessError, Shapes, World
 
@@ -137,8 +138,9 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
                     log(f"building a {shapes.pool_slots}-slot FP8 pool on {dev}")
                     world = World(shapes, dev)
                 try:
-                    if t.family in (FA3, AITER):
-                        drive = verify_fa3_target if t.family == FA3 else verify_aiter_target
+                    if t.family in (FA3, AITER, SPARSE):
+                        drive = {FA3: verify_fa3_target, AITER: verify_aiter_target,
+                                 SPARSE: verify_sparse_target}[t.family]
                         drive(t, sandbox, world, modes, graph, quick, report, log, _find_runtime,
                               partial(_redirect, world.device))
                         continue
@@ -154,7 +156,7 @@ def run_verify_impl(root, *, modes=("gather", "native"), device="auto", graph=Tr
         else:
             os.environ["KVPATCH_MODE"] = saved_mode
     if not report.files and not report.errors:
-        report.add_reason("no patched FlashInfer MLA or FA3 backend file found" + (
+        report.add_reason("no patched backend file of a family verify drives found" + (
             f" ({len(report.unverified)} patched file(s) of other backends, not verified)" if report.unverified else ""))
     if report.cases and not any(c.passed for c in report.cases) and not report.failures:
         report.add_reason("no case could run")

@@ -21,6 +21,8 @@ reaches the output; a row listed does. Computed in float32.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 KERNEL_NAME = "reference-flashmla-sparse"
@@ -43,7 +45,9 @@ def _rows(kv2, idx):
     n = kv2.shape[0]
     valid = (idx >= 0) & (idx < n)
     safe = torch.where(valid, idx, torch.zeros_like(idx)).long()
-    rows = kv2.float().index_select(0, safe)
+    # Gather, then widen: widening first would copy the whole cache (when it is the pool
+    # itself, verify's full-pool guard rightly takes that for a full-pool cast).
+    rows = kv2.index_select(0, safe).float()
     return torch.where(valid[:, None], rows, torch.zeros_like(rows)), valid
 
 
@@ -84,3 +88,79 @@ def tilelang_sparse_fwd(q, kv, indices, sm_scale, d_v=512):
     """SGLang's tilelang NSA kernel (nsa/tilelang_kernel.py): flash_mla_sparse_fwd's
     interface, returning the output alone."""
     return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v)[0]
+
+
+# --- what the NSA backend calls around the kernels (verify/sparse.py serves these) -------
+
+
+def transform_index_page_table_decode(page_table, topk_indices, result=None, page_size=1):
+    """SGLang nsa/transform_index.py (its torch `_ref`): entry j of query i's top-k is a
+    position in its request; the pool slot is page_table[i, j]; -1 stays -1."""
+    if page_size != 1:
+        raise NotImplementedError("transform_index_page_table_decode: page_size 1 only (as SGLang)")
+    out = torch.gather(page_table.to(torch.int32), 1, topk_indices.clamp(min=0).long())
+    out = torch.where(topk_indices < 0, torch.full_like(out, -1), out)
+    if result is not None:
+        result.copy_(out)
+        return result
+    return out
+
+
+def transform_index_page_table_prefill(page_table, topk_indices, extend_lens_cpu, page_size=1):
+    """The prefill form: request i's row of page_table serves its extend_lens_cpu[i] queries."""
+    if len(extend_lens_cpu) != page_table.shape[0] or sum(extend_lens_cpu) != topk_indices.shape[0]:
+        raise ValueError("transform_index_page_table_prefill: extend lengths do not match the tables")
+    rows = torch.repeat_interleave(page_table, torch.tensor(list(extend_lens_cpu), device=page_table.device), 0)
+    return transform_index_page_table_decode(rows, topk_indices, page_size=page_size)
+
+
+def dequantize_k_cache_paged(quant_k_cache, page_table_1_flattened):
+    """SGLang nsa/dequant_k_cache.py's row contract: the rows page_table_1_flattened of the
+    cache viewed as [slots, dim], returned in order as [n, 1, dim]. The packed FP8 byte
+    format (values with per-tile scales) is not modelled: both sides of a verify hand it
+    the same cast values, and only which rows it reads can differ."""
+    flat = quant_k_cache.reshape(-1, quant_k_cache.shape[-1])
+    idx = page_table_1_flattened.long()
+    if bool(((idx < 0) | (idx >= flat.shape[0])).any()):
+        raise IndexError("dequantize_k_cache_paged: an index outside the cache")
+    return flat.index_select(0, idx)[:, None, :]
+
+
+def _same_dtype(name, q, kv, fp8=False):
+    # As the real kernels: a BF16 query reads a BF16 cache (FlashMLA's sparse kernels check
+    # it), so a cache cast to the wrong dtype is refused, not read as exact floats.
+    if not fp8 and kv.dtype != q.dtype:
+        raise TypeError(f"{name}: query is {q.dtype} but the cache is {kv.dtype} (they must match)")
+
+
+def _served(name, fn, q_of, kv_of, fp8_of=lambda a, k: False):
+    def kernel(*args, **kwargs):
+        q, kv = q_of(args, kwargs), kv_of(args, kwargs)
+        if isinstance(q, torch.Tensor) and isinstance(kv, torch.Tensor):
+            _same_dtype(name, q, kv, bool(fp8_of(args, kwargs)))
+        CALLS.append((name, sys._getframe(1).f_code.co_name))
+        return fn(*args, **kwargs)
+
+    kernel.__name__ = name
+    return kernel
+
+
+def _arg(i, kw):
+    return lambda a, k: k[kw] if kw in k else (a[i] if len(a) > i else None)
+
+
+# (kernel, the function that called it) of every call the sandbox served, in order:
+# verify/sparse.py reads which helper reached which kernel.
+CALLS = []
+REAL = {
+    "flash_mla_sparse_fwd": _served("flash_mla_sparse_fwd", flash_mla_sparse_fwd, _arg(0, "q"), _arg(1, "kv")),
+    "tilelang_sparse_fwd": _served("tilelang_sparse_fwd", tilelang_sparse_fwd, _arg(0, "q"), _arg(1, "kv")),
+    "flash_mla_with_kvcache": _served("flash_mla_with_kvcache", flash_mla_with_kvcache, _arg(0, "q"),
+                                      _arg(1, "k_cache"), _arg(99, "is_fp8_kvcache")),
+    "dequantize_k_cache_paged": _served("dequantize_k_cache_paged", dequantize_k_cache_paged,
+                                        lambda a, k: None, lambda a, k: None),
+    # SGLang's own fallback (trtllm_mla_backend.py) where its CUDA concat kernel is not used.
+    "_concat_mla_absorb_q_general": lambda q_nope, q_rope: torch.cat([q_nope, q_rope], dim=-1),
+    "transform_index_page_table_decode": transform_index_page_table_decode,
+    "transform_index_page_table_prefill": transform_index_page_table_prefill,
+}

@@ -27,6 +27,7 @@ from kvpatch.names import RUNTIME_MODULE
 from . import fakes
 from .aiter_reference import REAL as AITER_REAL
 from .fa3_reference import REAL as FA3_REAL
+from .sparse_reference import REAL as SPARSE_REAL
 
 
 class Null:
@@ -146,6 +147,8 @@ REAL: Dict[str, object] = {
     **FA3_REAL,
     # aiter's MHA prefill kernel (no ROCm GPU here), and the FP8 dtype SGLang names it by.
     **AITER_REAL,
+    # NSA's sparse kernels and its top-k index transforms (KVP105's helpers), see sparse_reference.
+    **SPARSE_REAL,
     "fp8_dtype": torch.float8_e4m3fn,
 }
 # Top-level packages always served as stubs: sgl-kernel does not load on the machines
@@ -153,7 +156,8 @@ REAL: Dict[str, object] = {
 # comes from flash_attn_interface (MATE), whose flash_attn_with_kvcache is served by the
 # same reference, so both sides of a MUSA file run one kernel. msgspec: SGLang 0.5.23's XPU
 # backend subclasses msgspec.Struct for its DCP metadata (a dependency verify does not need).
-STUB_PACKAGES = ("sglang", "sgl_kernel", "flash_attn_interface", "msgspec", "aiter")
+# flash_mla: NSA's helpers of 2025-10 import FlashMLA's kernels from it (served by sparse_reference).
+STUB_PACKAGES = ("sglang", "sgl_kernel", "flash_attn_interface", "msgspec", "aiter", "flash_mla")
 
 # Environment the module expects at import (old versions index os.environ).
 ENV_DEFAULTS = {"SGLANG_ENABLE_TORCH_COMPILE": "0"}

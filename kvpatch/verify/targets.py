@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from kvpatch.analysis.helpers import SPARSE_KERNELS
 from kvpatch.checkout import git
 from kvpatch.checkout.safepath import UnsafePath, inside, is_link, read_regular
 from kvpatch.names import RUNTIME_ALIAS, RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
@@ -31,6 +32,11 @@ FORWARDS = ("forward_decode", "forward_extend")
 FLASHINFER_MLA, FA3 = "flashinfer_mla", "fa3"
 # aiter's MHA extend through mha_batch_prefill_func (KVP103's slot-ragged kernels), verify/aiter.py.
 AITER, AITER_KERNEL = "aiter", "mha_batch_prefill_func"
+# NSA/DSA's sparse backends (KVP105): forwards hand the cast to self._helper methods that call
+# a sparse kernel (the kernels KVP105 knows, FA3's excepted: alone it is the family above),
+# verify/sparse.py.
+SPARSE = "sparse"
+SPARSE_ONLY = frozenset(SPARSE_KERNELS) - {FA3_KERNEL}
 # A file whose patch only deletes dead casts (KVP104: no runtime import), verify/deadstore.py.
 DEADSTORE = "deadstore"
 
@@ -44,8 +50,8 @@ class Target:
     runtime: Path                # the sibling _kvpatch_runtime.py
     problem: str = ""            # non-empty: cannot be verified, and why (a failure)
     skip: str = ""               # non-empty: not a file this harness drives (not a failure)
-    family: str = FLASHINFER_MLA  # which driver: FLASHINFER_MLA or FA3
-    cls: str = ""                # FA3: the class to drive (FlashAttentionBackend or a subclass)
+    family: str = FLASHINFER_MLA  # which driver: FLASHINFER_MLA, FA3, AITER, SPARSE or DEADSTORE
+    cls: str = ""                # FA3, AITER, SPARSE: the class to drive
 
 
 def qualname_map(source: str) -> List[Tuple[int, int, str]]:
@@ -84,7 +90,9 @@ def backend_family(source: str) -> Tuple[str, str]:
     """(family, class to drive): FLASHINFER_MLA if the file defines the FlashInfer MLA
     backend and its updaters; FA3 with the class if it defines FlashAttentionBackend or a
     subclass of it (MUSA's MusaFlashAttentionBackend overrides both forwards with its own
-    sites); else ("", ""). SyntaxError propagates."""
+    sites); SPARSE with the first class whose forwards hand the cast to helper methods that
+    call a sparse kernel (NSA/DSA, KVP105); FA3 or AITER with a class whose forwards call
+    that kernel by name; else ("", ""). SyntaxError propagates."""
     tree = ast.parse(source)
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
     names = {n.name for n in classes}
@@ -95,6 +103,11 @@ def backend_family(source: str) -> Tuple[str, str]:
     sub = [n.name for n in classes if FA3_CLASS in _base_names(n)]
     if sub:
         return FA3, sub[0]
+    # Before FA3's kernel by name: NSA's `_forward_fa3` helper calls it too, but the class is
+    # recognised by its helpers' sparse kernels (the structure KVP105 rewrites), not its name.
+    sparse = [n.name for n in classes if _helpers_call(n, SPARSE_ONLY)]
+    if sparse:
+        return SPARSE, sparse[0]
     # Any other backend whose forwards call FA3's kernel by name (XPU's extend): the
     # reference kernel stands in for it as for FA3 itself.
     own = [n.name for n in classes if _forwards_call(n, FA3_KERNEL)]
@@ -110,6 +123,20 @@ def _forwards_call(cls: ast.ClassDef, func: str) -> bool:
             for node in ast.walk(fn):
                 if isinstance(node, ast.Call) and func in (_name(node.func), _routed_kernel(node)):
                     return True
+    return False
+
+
+def _helpers_call(cls: ast.ClassDef, funcs) -> bool:
+    """A forward of cls calls `self.<m>(...)`, a method of cls that calls one of funcs."""
+    methods = {fn.name: fn for fn in cls.body if isinstance(fn, ast.FunctionDef)}
+    for fn in (methods.get(f) for f in FORWARDS):
+        for node in ast.walk(fn) if fn is not None else ():
+            f = node.func if isinstance(node, ast.Call) else None
+            helper = (methods.get(f.attr) if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                      and f.value.id == "self" and f.attr not in FORWARDS else None)
+            if helper is not None and any(isinstance(n, ast.Call) and _name(n.func) in funcs
+                                          for n in ast.walk(helper)):
+                return True
     return False
 
 
@@ -247,8 +274,9 @@ def find_targets(root: Path) -> Tuple[List[Target], List[str]]:
         if not t.family and RUNTIME_NAME not in patched and patched != t.original:
             t.family = DEADSTORE  # deletions only: checked symbolically, no runtime to find
         elif not t.family:
-            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters, and no class whose "
-                      f"forwards call {FA3_KERNEL} or {AITER_KERNEL}; verify drives those families only")
+            t.skip = (f"{rel}: no {BACKEND_CLASS} with its indices updaters, no class whose forwards call "
+                      f"{FA3_KERNEL} or {AITER_KERNEL}, and none whose forwards hand the cast to helper "
+                      f"methods that call a sparse kernel; verify drives those families only")
         elif patched == t.original:
             t.problem = f"{rel} is identical to its original ({t.original_from}): not patched"
         elif RUNTIME_NAME in t.original:
