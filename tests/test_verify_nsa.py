@@ -36,7 +36,9 @@ MIRROR = Path("/work/.mirror/sshleifer+sglang/repo")
 MIRROR_REVS = ("efbc687c2", "0d244116d")
 RELEASES = Path("/work/cache/releases")
 NSA_FILES = ("srt/layers/attention/nsa_backend.py", "srt/layers/attention/dsa_backend.py")
-QUANTIZE = "_forward_flashmla_kv: the wrapped quantize_k_cache call was not verified"
+# The FP8-compute path's wrapped row-wise step, as the patched fixture spells it.
+QUANTIZE_CALL = "quantize_k_cache(_kvpatch_rt.kv_rows_at_kernel(kv_cache, page_table_1.unsqueeze(1), 2))"
+FP8 = "+compute_fp8"
 
 
 def _runtime(body: str) -> str:
@@ -70,14 +72,55 @@ def test_fixture_patch_passes_every_helper_path(tmp_path):
     r = run_verify(checkout(tmp_path), device="cpu")
     assert r.ok and not r.errors, r.format()
     assert all(c.passed for c in r.cases), r.format()
+    # Every kernel path, BF16 and FP8 store, plus the FP8-compute path where the BF16 path
+    # reached flash_mla_with_kvcache (flashmla_kv only).
     assert {c.route for c in r.cases if c.qualname == EXTEND} == {
-        f"prefill:{i}{s}" for i in ("tilelang", "flashmla_sparse", "flashmla_kv", "fa3") for s in ("", "+store_fp8")}
-    assert {c.route for c in r.cases if c.qualname == DECODE} == {"decode:flashmla_sparse", "decode:fa3"}
+        f"prefill:{i}{s}" for i in ("tilelang", "flashmla_sparse", "flashmla_kv", "fa3") for s in ("", "+store_fp8")
+    } | {"prefill:flashmla_kv" + FP8}
+    assert {c.route for c in r.cases if c.qualname == DECODE} == {
+        "decode:flashmla_sparse", "decode:flashmla_kv", "decode:flashmla_kv" + FP8, "decode:fa3"}
     assert all(c.tolerance.startswith("bit-identical") and c.kv_path == "gather" for c in r.cases)
-    # The RAGGED prefix path ran its inline dequantize; the one path without a reference is named.
+    # The RAGGED prefix path ran its inline dequantize.
     assert any("dequantize_k_cache_paged" in c.message for c in r.cases if c.variant.endswith("+store_fp8"))
-    assert len(r.unverified) == 1 and QUANTIZE in r.unverified[0], r.unverified
+    # The FP8-compute cases quantized and ran the FP8 kernel; nothing is left unverified.
+    fp8 = [c for c in r.cases if c.variant.endswith(FP8)]
+    assert len(fp8) == 5 and all("flash_mla_with_kvcache, quantize_k_cache" in c.message for c in fp8), r.format()
+    assert not r.unverified, r.unverified
     assert any("sgl-kernel's FlashMLA, tilelang and FA3 did not run" in n for n in r.notes), r.notes
+
+
+def test_sabotage_quantize_wrapper_leaves_rows_uncast(tmp_path):
+    """The row-wise quantize handed the deferred buffer unwrapped: its rows were never cast."""
+    root = checkout(tmp_path)
+    edit(root, QUANTIZE_CALL, "quantize_k_cache(kv_cache)")
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok, r.format()
+    assert {c.variant for c in r.failures} == {"flashmla_kv" + FP8}, failures(r)
+    assert all(c.qualname == EXTEND for c in r.failures)  # decode hands the store itself: nothing deferred
+    assert "NaN: a page the kernel reads was not cast" in failures(r)
+
+
+def test_sabotage_a_wrong_tile_scale_in_the_packed_rows(tmp_path):
+    """The patched side's packed cache with tile 0's scale doubled: the FP8 kernel reads it."""
+    root = checkout(tmp_path)
+    edit(root, "            kv_cache = " + QUANTIZE_CALL + "\n",
+         "            kv_cache = " + QUANTIZE_CALL + "\n"
+         "            kv_cache.view(torch.uint8)[..., 512:516].view(torch.float32).mul_(2.0)  # sabotage\n")
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok, r.format()
+    assert {(c.qualname, c.variant) for c in r.failures} == {
+        (EXTEND, "flashmla_kv" + FP8), (DECODE, "flashmla_kv" + FP8)}, failures(r)
+    assert "output differs from the original" in failures(r)
+    assert all(c.passed for c in r.cases if not c.variant.endswith(FP8)), failures(r)
+
+
+def test_sabotage_the_fp8_kernel_handed_an_unquantized_cache(tmp_path):
+    root = checkout(tmp_path)
+    edit(root, "kv_cache = " + QUANTIZE_CALL, "kv_cache = _kvpatch_rt.kv_rows_at_kernel(kv_cache, "
+                                              "page_table_1.unsqueeze(1), 2)  # sabotage: no quantize")
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok and {c.variant for c in r.failures} == {"flashmla_kv" + FP8}, failures(r)
+    assert "patched run raised TypeError" in failures(r) and "packed" in failures(r), failures(r)
 
 
 def test_family_is_recognised_by_structure_not_by_name():
@@ -188,11 +231,17 @@ def test_real_nsa_backend_verifies(tmp_path, rev):
     r = run_verify(checkout(tmp_path, src=_mirror_file(rev, tmp_path)), device="cpu", quick=True)
     assert r.ok and not r.errors and not r.failures, r.format()
     extend = {c.variant for c in r.cases if c.qualname == EXTEND and c.passed}
-    assert {"tilelang", "fa3", "tilelang+store_fp8"} <= extend and len(extend) == 8, r.format()
+    assert {"tilelang", "fa3", "tilelang+store_fp8"} <= extend and len(extend) == 9, r.format()
     assert all(c.passed for c in r.cases if c.qualname == EXTEND), r.format()
-    # ROCm's aiter decode has no reference: skipped, never passed; FP8-compute quantize_k_cache is named.
+    # The FP8-compute path (2025-10: flashmla_decode; later flashmla_kv) ran in extend, where
+    # quantize_k_cache gets the deferred buffer, and in decode, where it gets the store.
+    kv = "flashmla_decode" if rev == "efbc687c2" else "flashmla_kv"
+    fp8 = [c for c in r.cases if c.variant == kv + FP8]
+    assert {c.qualname for c in fp8} == {EXTEND, DECODE} and all(c.passed for c in fp8), r.format()
+    assert all("quantize_k_cache" in c.message for c in fp8), r.format()
+    # ROCm's aiter decode has no reference: skipped, never passed. Nothing else is left unverified.
     assert {c.variant for c in r.cases if not c.passed} == {"aiter"}, r.format()
-    assert len(r.unverified) == 1 and "quantize_k_cache call was not verified" in r.unverified[0], r.unverified
+    assert not r.unverified, r.unverified
 
 
 @pytest.mark.real_sglang

@@ -13,7 +13,12 @@ references have their semantics for what a patched cast can change, the rows rea
 - ``flash_mla_with_kvcache(q, k_cache, cache_seqlens, head_dim_v, ..., indices=)``, the
   sparse decode: ``q [b, s_q, h_q, d]``, ``k_cache [blocks, block_size, 1, d]``,
   ``indices [b, s_q, topk]``: token index ``i`` is block ``i // block_size``, offset
-  ``i % block_size``; ``-1`` skipped. Returns ``(out [b, s_q, h_q, dv], lse)``.
+  ``i % block_size``; ``-1`` skipped. Returns ``(out [b, s_q, h_q, dv], lse)``. With
+  ``is_fp8_kvcache=True`` (NSA's FP8-compute path) ``k_cache`` is ``quantize_k_cache``'s
+  packed 656-byte rows (``fp8_packed_reference``): the rows read are dequantized, the
+  others never touched; anything else is refused.
+- ``quantize_k_cache(cache_k)``: SGLang's NSA quantizer into that format (served from
+  ``fp8_packed_reference``; row-wise, bf16 in).
 
 A row listed nowhere (a NaN there, say an uncast row of the deferred buffer) never
 reaches the output; a row listed does. Computed in float32.
@@ -24,6 +29,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from . import fp8_packed_reference as fp8ref
 
 KERNEL_NAME = "reference-flashmla-sparse"
 
@@ -68,18 +75,30 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512):
 def flash_mla_with_kvcache(q, k_cache, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=None,
                            num_splits=None, softmax_scale=None, causal=False, indices=None, block_table=None,
                            is_fp8_kvcache=False, **unknown):
-    if unknown or indices is None or is_fp8_kvcache:
-        raise NotImplementedError("reference flash_mla_with_kvcache: the sparse (indices=) BF16 form only")
+    if unknown or indices is None:
+        raise NotImplementedError("reference flash_mla_with_kvcache: the sparse (indices=) form only")
     b, s_q, h_q, d = q.shape
-    kv2 = k_cache.reshape(-1, k_cache.shape[-1]) if k_cache.shape[2] == 1 else None
-    if kv2 is None:
-        raise NotImplementedError("reference flash_mla_with_kvcache: one KV head")
+    if k_cache.dim() != 4 or k_cache.shape[2] != 1:
+        raise NotImplementedError("reference flash_mla_with_kvcache: k_cache [blocks, block_size, 1, d] only")
+    if is_fp8_kvcache:
+        # FlashMLA's FP8 sparse decode reads quantize_k_cache's 656-byte rows (FP8 latent
+        # tiles with float32 scales, bf16 rope): a BF16 cache handed to it is refused, as
+        # the kernel refuses it, rather than reinterpreted.
+        if k_cache.dtype not in (fp8ref.FP8, torch.uint8) or k_cache.shape[-1] != fp8ref.PACKED:
+            raise TypeError(f"flash_mla_with_kvcache(is_fp8_kvcache=True): k_cache must be the packed "
+                            f"[..., {fp8ref.PACKED}] FP8 format, got {list(k_cache.shape)} {k_cache.dtype}")
+        if q.shape[-1] != fp8ref.D:
+            raise ValueError(f"flash_mla_with_kvcache(is_fp8_kvcache=True): q is [.., {fp8ref.D}], got {d}")
+        gather = lambda idx: fp8ref.gather_dequantized(k_cache, idx)  # noqa: E731
+    else:
+        kv2 = k_cache.reshape(-1, k_cache.shape[-1])
+        gather = lambda idx: _rows(kv2, idx)  # noqa: E731
     scale = softmax_scale if softmax_scale is not None else d ** -0.5
     out = torch.empty((b, s_q, h_q, head_dim_v), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     for i in range(b):
         for t in range(s_q):
-            rows, valid = _rows(kv2, indices[i, t])
+            rows, valid = gather(indices[i, t])
             out[i, t], _, lse[i, :, t] = _attend(q[i, t], rows, valid, scale, head_dim_v)
     return out.to(q.dtype), lse
 
@@ -157,6 +176,9 @@ REAL = {
     "tilelang_sparse_fwd": _served("tilelang_sparse_fwd", tilelang_sparse_fwd, _arg(0, "q"), _arg(1, "kv")),
     "flash_mla_with_kvcache": _served("flash_mla_with_kvcache", flash_mla_with_kvcache, _arg(0, "q"),
                                       _arg(1, "k_cache"), _arg(99, "is_fp8_kvcache")),
+    # Served through _served so CALLS records which helper quantized: the row-wise step
+    # KVP105 wraps on the FP8-compute path (analysis.helpers.ROW_WISE).
+    "quantize_k_cache": _served("quantize_k_cache", fp8ref.quantize_k_cache, lambda a, k: None, lambda a, k: None),
     "dequantize_k_cache_paged": _served("dequantize_k_cache_paged", dequantize_k_cache_paged,
                                         lambda a, k: None, lambda a, k: None),
     # SGLang's own fallback (trtllm_mla_backend.py) where its CUDA concat kernel is not used.

@@ -4,7 +4,9 @@ Shaped like SGLang's nsa_backend.py of 2025-11 to 2026-01, the versions whose
 forward_extend casts the whole KV pool and hands the cast to helper methods: the
 prefill and decode forwards pick a kernel path by `self.nsa_*_impl`, top-k positions
 become pool slots through the index transform (PAGED), or, for an FP8 store, the
-prefix rows are dequantized into a ragged buffer first (RAGGED).
+prefix rows are dequantized into a ragged buffer first (RAGGED). With the FP8-compute
+constant on, `_forward_flashmla_kv` quantizes the cache it got into FlashMLA's packed
+656-byte rows and runs the FP8 kernel on them.
 """
 
 from enum import IntEnum, auto
@@ -94,6 +96,13 @@ class NativeSparseAttnBackend(AttentionBackend):
             q_all = _concat_mla_absorb_q_general(q_nope, q_rope)
             return self._forward_flashmla_sparse(q_all=q_all, kv_cache=kv_cache, page_table_1=page_table_1,
                                                  sm_scale=layer.scaling, v_head_dim=layer.v_head_dim)
+        elif self.nsa_decode_impl == "flashmla_kv":
+            # With NSA_FLASHMLA_BACKEND_DECODE_COMPUTE_FP8 the helper quantizes the store it is
+            # handed, whole, before the FP8 kernel (as upstream's decode does).
+            q_all = _concat_mla_absorb_q_general(q_nope, q_rope)
+            return self._forward_flashmla_kv(q_all=q_all, kv_cache=kv_cache, sm_scale=layer.scaling,
+                                             v_head_dim=layer.v_head_dim, layer=layer, metadata=metadata,
+                                             page_table_1=page_table_1)
         elif self.nsa_decode_impl == "fa3":
             return self._forward_fa3(q_rope=q_rope, kv_cache=kv_cache, v_head_dim=layer.v_head_dim, q_nope=q_nope,
                                      page_table=page_table_1, cache_seqlens=metadata.nsa_cache_seqlens_int32,
