@@ -30,7 +30,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10: the tomli backport (a dependency there)
     import tomli as tomllib
 
-from kvpatch.rule import RULES_PATH_ENV
+from kvpatch.names import RULES_PATH_ENV
 
 PYPROJECT = "pyproject.toml"
 TABLE = "tool.kvpatch"

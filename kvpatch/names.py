@@ -46,6 +46,8 @@ KVPATCH_VERSION_VAR = "__kvpatch_version__"
 # imports nothing of kvpatch, lists its own in runtime/_modes.py: test_runtime_parts
 # checks the two agree).
 MODE_ENV = "KVPATCH_MODE"
+# Extra rule folders (os.pathsep between); kvpatch/rule.py reads it, the CLI and config name it.
+RULES_PATH_ENV = "KVPATCH_RULES_PATH"
 MODE_AUTO, MODE_FUSED, MODE_GATHER, MODE_NATIVE = "auto", "fused", "gather", "native"
 
 # Byte markers of a file that may hold a site: a KV-buffer read, or kvpatch's

@@ -21,6 +21,7 @@ from typing import Callable, ClassVar, List, Optional, Sequence, Tuple, Type, Un
 
 import libcst as cst
 
+from kvpatch.names import RULES_PATH_ENV
 from kvpatch.sites import HOT, UNSUPPORTED
 
 
@@ -188,7 +189,6 @@ class Rule:
 
 # Extra rule folders (os.pathsep-separated), loaded after rules/: a rule
 # family can live outside this repository with no edit to kvpatch/.
-RULES_PATH_ENV = "KVPATCH_RULES_PATH"
 
 
 def _rule_classes(mod) -> List[Type[Rule]]:

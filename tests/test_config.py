@@ -14,7 +14,7 @@ from conftest import FI_MLA, git, tree_hashes
 from kvpatch import config
 from kvpatch.cli.commands import main
 from kvpatch.output.exitcodes import EXIT_ERROR
-from kvpatch.rule import RULES_PATH_ENV
+from kvpatch.names import RULES_PATH_ENV
 from test_plugin import BACKEND, REL, RULE
 
 FA3 = "python/sglang/srt/layers/attention/flashattention_backend.py"  # KVP106's hot site (routed)

@@ -10,7 +10,7 @@ import click
 
 from kvpatch.cli.out import CONTEXT
 from kvpatch.output.exitcodes import EXIT_ACTION, EXIT_ERROR, EXIT_OK
-from kvpatch.rule import RULES_PATH_ENV
+from kvpatch.names import RULES_PATH_ENV
 
 
 @click.command(name="test", context_settings=CONTEXT)
