@@ -9,6 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from kvpatch.rule import _builtin_package
+
+# Tests import the rules' example modules as kvpatch.rules.*. Register this tree's rules/
+# under that name first, as the engine does, so they import without an install too (the
+# GPU machine runs the suite from a bare copy of the tree, PYTHONPATH only).
+_builtin_package()
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "sglang"
 FI_MLA = "python/sglang/srt/layers/attention/flashinfer_mla_backend.py"

@@ -9,9 +9,10 @@ Both sides (the checkout's original file and its patched one) run their own
 ``init_forward_metadata`` leaves it: requests on scattered pages, prefix pages
 shared between requests, stale page ids past each request's length. Cases: page sizes
 1, 16 and 64; decode; decode with the cascade (speculative top-k > 1) second
-table; prefill with prefixes (causal, query offset); target verify with the cascade;
-and decode through a CUDA graph (captured on CUDA, replayed eagerly on the CPU)
-whose page table, lengths and queries are rewritten in place before each replay.
+table; prefill with prefixes (causal, query offset); target verify (top-k 1) and draft
+extend, a few causal query tokens per request; target verify with the cascade; and
+decode and target verify through a CUDA graph (captured on CUDA, replayed eagerly on the
+CPU) whose page table, lengths and queries are rewritten in place before each replay.
 Outputs must be bit-identical; the patched run must make no full-pool copy.
 """
 
@@ -24,7 +25,7 @@ from functools import partial
 import torch
 
 from .fa3_reference import KERNEL_NAME
-from .fakes import DECODE, EXTEND, TARGET_VERIFY, Mode
+from .fakes import DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, Mode
 from kvpatch.names import MODE_ENV, MODE_FUSED as FUSED, MODE_GATHER as GATHER, MODE_NATIVE
 
 from .judge import FUSED_REL_TOL, FullPoolGuard, _exc_text, compare, vector_rel_err
@@ -218,15 +219,18 @@ class FA3Verifier:
             return
         self.judge(c, out, ref, guard.hits, before)
 
-    def graph(self, ps):
+    def graph(self, ps, kind=DECODE, tq=1):
+        """Capture kind's forward once, replay it with the batch's buffers rewritten in
+        place (kv lengths hold the tq query tokens of each request, as in target verify)."""
         cap_lens, replays = GRAPH_LENS
+        cap_lens, replays = [n + tq - 1 for n in cap_lens], [[n + tq - 1 for n in r] for r in replays]
         width = max(math.ceil(n / ps) for lens in [cap_lens] + replays for n in lens) + 2
-        cap = self.new_case(ps, cap_lens, [1] * len(cap_lens), width=width)
+        cap = self.new_case(ps, cap_lens, [tq] * len(cap_lens), width=width)
         exec_ = "graph" if self.capture else "replay"
-        cases = [self.new_case(ps, lens, [1] * len(lens), width=width) for lens in replays]
-        results = [self.case_result(DECODE, exec_, f"{cs.label()} (capture kv_lens={cap_lens})") for cs in cases]
+        cases = [self.new_case(ps, lens, [tq] * len(lens), width=width) for lens in replays]
+        results = [self.case_result(kind, exec_, f"{cs.label()} (capture kv_lens={cap_lens})") for cs in cases]
         try:
-            self.orig.forward(DECODE, cap)
+            self.orig.forward(kind, cap)
         except Exception as exc:
             for c in results:
                 c.status, c.message = SKIPPED, f"original raised {_exc_text(exc, self.orig)}: nothing to compare"
@@ -235,14 +239,14 @@ class FA3Verifier:
         q_nope, q_pe = cap.q_nope.clone(), cap.q_pe.clone()
         try:
             self.fused_at_capture = self.fused_calls[0]  # a replay runs what the capture recorded
-            replay = self.capture_forward(partial(self.pat.forward, DECODE, cap, meta, q_nope, q_pe))
+            replay = self.capture_forward(partial(self.pat.forward, kind, cap, meta, q_nope, q_pe))
         except Exception as exc:
             for c in results:
                 c.status, c.message = FAILED, f"capture raised {_exc_text(exc, self.pat)}"
             return
         for c, cs in zip(results, cases):
             try:
-                ref = self.orig.forward(DECODE, cs).clone()
+                ref = self.orig.forward(kind, cs).clone()
             except Exception as exc:
                 c.status, c.message = SKIPPED, f"original raised {_exc_text(exc, self.orig)}"
                 continue
@@ -287,10 +291,16 @@ class FA3Verifier:
             for prefix, extend in PREFILL_LENS[:1] if quick else PREFILL_LENS:
                 self.eager(EXTEND, self.new_case(ps, [p + e for p, e in zip(prefix, extend)], extend))
             for prefix, tokens in VERIFY_LENS:
-                self.eager(TARGET_VERIFY, self.new_case(ps, [p + tokens for p in prefix], [tokens] * len(prefix),
-                                                        expand=True), CASCADE)
+                lens, qlens = [p + tokens for p in prefix], [tokens] * len(prefix)
+                # top-k 1 (EAGLE/MTP chains) and draft extend: one causal call over a few
+                # query tokens per request, the shape the fused path serves
+                self.eager(TARGET_VERIFY, self.new_case(ps, lens, qlens))
+                self.eager(DRAFT_EXTEND, self.new_case(ps, lens, qlens))
+                self.eager(TARGET_VERIFY, self.new_case(ps, lens, qlens, expand=True), CASCADE)
             if graph:
                 self.graph(ps)
+                if not quick:
+                    self.graph(ps, TARGET_VERIFY, VERIFY_LENS[0][1])
         # FA4 (fa_impl_ver=4) shares the absorbed-MLA site and its cast; its branches differ
         # around the kernel call, so run them too (the same reference kernel: the rows read
         # are FA3's). A release whose original refuses FA4 here reports the case skipped.

@@ -23,8 +23,14 @@ from kvpatch.verify import run_verify  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def verify(root):
-    return run_verify(root, device="cuda", log=print)
+def verify(root, modes=("gather", "native")):
+    return run_verify(root, modes=modes, device="cuda", log=print)
+
+
+# What `kvpatch verify` checks by default (--mode all): the routed form's fused path too.
+WITH_FUSED = ("gather", "native", "fused")
+# The replays that read more rows than at capture: decode, and target verify (tq - 1 more).
+GROWN = ("kv_lens=[150, 70, 190]", "kv_lens=[152, 72, 192]")
 
 
 def test_fixture_passes_under_graph_capture(tmp_path):
@@ -48,7 +54,9 @@ def test_catches_stale_lengths_in_a_captured_graph(tmp_path):
     r = verify(fixture_checkout(tmp_path, STALE))
     assert not r.ok
     assert all(c.passed for c in fa3_cases(r) if c.exec == "eager")
-    assert r.failures and all(c.exec == "graph" and "kv_lens=[150, 70, 190]" in c.batch for c in r.failures)
+    assert r.failures and all(c.exec == "graph" and c.batch.startswith(GROWN, c.batch.index("kv_lens="))
+                              for c in r.failures), r.format()
+    assert any(c.path == "decode" for c in r.failures), r.format()
 
 
 # --- the routed form (KVP106): the fused FP8 path, judged within tolerance --------------
@@ -88,7 +96,7 @@ def fused_mla(q_nope, q_pe, kv_buffer, out, sm_scale, **kw):
 
 
 def test_routed_fixture_verifies_fused_and_gathered(tmp_path):
-    r = verify(fixture_checkout(tmp_path, form=ROUTED))
+    r = verify(fixture_checkout(tmp_path, form=ROUTED), WITH_FUSED)
     print(r.format())
     assert r.ok, r.format()
     fused = [c for c in fa3_cases(r) if c.mode == "fused" and c.kv_path == "fused" and c.passed]
@@ -101,13 +109,13 @@ def test_routed_fixture_verifies_fused_and_gathered(tmp_path):
 
 @pytest.mark.parametrize("runtime_text", [FUSED_WRONG_ROWS, FUSED_WRONG_SCALE], ids=["wrong_rows", "wrong_scale"])
 def test_fused_sabotage_fails(tmp_path, runtime_text):
-    r = verify(fixture_checkout(tmp_path, runtime_text, form=ROUTED))
+    r = verify(fixture_checkout(tmp_path, runtime_text, form=ROUTED), WITH_FUSED)
     assert not r.ok
     assert "fused output off the original" in failures_text(r), r.format()
     assert all(c.mode == "fused" for c in r.failures)  # the gathered path does not call fused_mla
 
 
 def test_fused_stale_lengths_fail_under_graph_replay(tmp_path):
-    r = verify(fixture_checkout(tmp_path, FUSED_STALE, form=ROUTED))
+    r = verify(fixture_checkout(tmp_path, FUSED_STALE, form=ROUTED), WITH_FUSED)
     assert not r.ok
     assert any(c.exec == "graph" and c.mode == "fused" for c in r.failures), r.format()

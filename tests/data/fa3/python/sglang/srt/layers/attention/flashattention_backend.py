@@ -31,6 +31,7 @@ class FlashAttentionBackend(AttentionBackend):
             page_table=metadata.page_table,
             cache_seqlens=metadata.cache_seqlens_int32,
             cu_seqlens_q=metadata.cu_seqlens_q,
+            max_seqlen_q=metadata.max_seq_len_q,
             softmax_scale=layer.scaling,
             causal=True,
         )
@@ -55,6 +56,7 @@ class FlashAttentionBackend(AttentionBackend):
             page_table=metadata.page_table,
             cache_seqlens=metadata.cache_seqlens_int32,
             cu_seqlens_q=metadata.cu_seqlens_q,
+            max_seqlen_q=metadata.max_seq_len_q,
             softmax_scale=layer.scaling,
             causal=not use_cascade_attn,
             return_softmax_lse=use_cascade_attn,
@@ -70,6 +72,7 @@ class FlashAttentionBackend(AttentionBackend):
             page_table=self.forward_metadata_spec_decode_expand.page_table,
             cache_seqlens=self.forward_metadata_spec_decode_expand.cache_seqlens_int32,
             cu_seqlens_q=self.forward_metadata_spec_decode_expand.cu_seqlens_q,
+            max_seqlen_q=self.forward_metadata_spec_decode_expand.max_seq_len_q,
             softmax_scale=layer.scaling,
             causal=False,
             return_softmax_lse=True,
