@@ -58,6 +58,14 @@ def _launch_driver():
         return False
 
 
+def _launch_listening(hook):
+    """Whether a launch hook would run. Triton up to 3.5 leaves the knob None until a
+    profiler sets a function; 3.6 always holds a HookChain, listening only once something
+    is added to its calls (an empty chain must not send every launch down the slow path).
+    """
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _launch(kernel, grid, args, consts, spec=None):
     """kernel[grid](*args, **dict(consts)); returns the compiled kernel.
 
@@ -71,8 +79,8 @@ def _launch(kernel, grid, args, consts, spec=None):
         _launch_triton = _launch_driver()
     if (
         not _launch_triton
-        or _launch_triton[0].launch_enter_hook is not None
-        or _launch_triton[0].launch_exit_hook is not None
+        or _launch_listening(_launch_triton[0].launch_enter_hook)
+        or _launch_listening(_launch_triton[0].launch_exit_hook)
     ):
         # No GPU driver (Triton's interpreter), or a profiler listens: Triton's own path.
         return kernel[grid](*args, **dict(consts))
