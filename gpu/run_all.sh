@@ -35,6 +35,7 @@ for s in $steps; do
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                  --section WarpStateStats --section LaunchStats --section SchedulerStats \
                  python3 gpu/profile_fused.py "$c" 2>&1 | tee -a "$OUT/profile_fused.log"; done ;;
+    host) python3 gpu/host_profile.py 2>&1 | tee "$OUT/host_profile.log" ;;
     attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
     *) echo "unknown step $s" ;;
   esac
