@@ -23,8 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SM_REGS, SM_SMEM = 65536, 232448  # per SM on sm_90 (H100 / H200)
 TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", "lens": "*i32",
          "part_o": "*fp32", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
-F16 = True
-PV_ASM = False
+FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False}  # --f16/--pv-asm/--v-early set them
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
 
 
@@ -41,7 +40,7 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     from triton.compiler import ASTSource
 
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=1, BY_INDPTR=True, CAUSAL=tq > 1, HAS_CKV_SCALE=False,
-                 HAS_KPE_SCALE=False, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=False, F16=F16, PV_ASM=PV_ASM)
+                 HAS_KPE_SCALE=False, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=False, **FLAGS)
     names = list(kernel.arg_names)
     sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
     # What the launcher specialises on at run time: 16-byte aligned pointers and strides.
@@ -76,7 +75,11 @@ def main(argv=None):
     ap.add_argument("--tq", type=int, default=1)
     ap.add_argument("--configs", default=DEFAULT, help="BM,BN,WARPS,STAGES,MAXNREG (0: no cap); ';' between")
     ap.add_argument("--dump", default=None)
+    for flag in FLAGS:
+        ap.add_argument("--" + flag.lower().replace("_", "-"), type=int, default=int(FLAGS[flag]))
     args = ap.parse_args(argv)
+    for flag in FLAGS:
+        FLAGS[flag] = getattr(args, flag.lower()) if flag == "V_EARLY" else bool(getattr(args, flag.lower()))
     try:
         kernel = _fused()._fused_build()[0]
     except TypeError:
@@ -86,7 +89,7 @@ def main(argv=None):
         bm, bn, warps, stages, reg = (int(x) for x in text.split(","))
         r = compile_one(kernel, args.heads, args.tq, bm, bn, warps, stages, reg or None, args.dump)
         print(f"heads {args.heads} tq {args.tq} block_m {bm} block_n {bn} warps {warps} stages {stages} "
-              f"maxnreg {reg or '-'}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared, "
+              f"maxnreg {reg or '-'} {FLAGS}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared, "
               f"{r['ctas_per_sm']} CTAs/SM, {r['async_copies']} pipelined loads", flush=True)
     return 0
 

@@ -11,7 +11,8 @@ self-contained module ``apply`` writes next to each patched backend as
     _kernels    the Triton kernels, built on first CUDA use
     _pages      the page cast (page tables: FA3/FA4, MUSA, XPU)
     _sparse     the deferred cast, cast next to each sparse kernel (NSA class helpers)
-    _fused_kernels  the fused FP8 MLA attention's Triton kernels (issue 17)
+    _fused_ops  the fused FP8 MLA attention's device functions (row loads, FP8 conversions)
+    _fused_kernels  its Triton kernels (issue 17)
     _fused      its launcher (fused_mla), tuning and scratch
     _route      routed kernel calls: the fused path, or the gather and the original kernel
     _reset      the test hooks
@@ -34,8 +35,8 @@ from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE,
 # RUNTIME_FILENAME is re-exported: kvpatch/patch.py and the tests take it from here.
 __all__ = ["PARTS", "RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
 
-PARTS = ("_modes", "_launch", "_dispatch", "_gather", "_kernels", "_pages", "_sparse", "_fused_kernels", "_fused", "_route",
-         "_reset")
+PARTS = ("_modes", "_launch", "_dispatch", "_gather", "_kernels", "_pages", "_sparse", "_fused_ops", "_fused_kernels",
+         "_fused", "_route", "_reset")
 _HERE = Path(__file__).resolve().parent
 _FROM = "# -- joined from here --\n"
 _UP_TO = "# -- joined up to here --\n"

@@ -294,6 +294,7 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
                 DOT_F32=interpret,
                 F16=bool(cfg.get("f16", False)),
                 PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
+                V_EARLY=int(cfg.get("v_early", 0)) if not interpret else 0,
                 num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),

@@ -1,6 +1,7 @@
 """A part of the kvpatch runtime: the fused FP8 MLA attention's Triton kernels (issue 17).
 
-The launcher, its tuning and its scratch buffers are the next part, _fused.
+The device functions they call are the part before, _fused_ops; the launcher, its
+tuning and its scratch buffers the next part, _fused.
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts in the order of its
 PARTS into the one _kvpatch_runtime.py that apply injects, keeping only what follows the
@@ -8,6 +9,16 @@ PARTS into the one _kvpatch_runtime.py that apply injects, keeping only what fol
 part rebinds a name another defines); the imports above the line only let a part read
 alone, and are dropped.
 """
+
+from kvpatch.runtime._fused_ops import (  # globals once _fused_build_ops has run
+    _fused_amax,
+    _fused_build_ops,
+    _fused_q,
+    _fused_rows,
+    _fused_vcvt,
+    _fused_vraw,
+    _fused_vrows,
+)
 
 # -- joined from here --
 
@@ -39,8 +50,7 @@ _fused_kernels = (
 
 
 def _fused_build():
-    # The helpers are module globals: Triton resolves the names a kernel calls there.
-    global _fused_kernels, _fused_rows, _fused_vrows, _fused_q, _fused_amax
+    global _fused_kernels
     if _fused_kernels is not None:
         return _fused_kernels
     try:
@@ -49,77 +59,7 @@ def _fused_build():
     except Exception:
         _fused_kernels = False
         return _fused_kernels
-
-    @triton.jit
-    def _fused_rows(
-        row, cols, ok, DOT_F32: tl.constexpr, EVICT: tl.constexpr, F16: tl.constexpr
-    ):
-        x = tl.load(
-            row + cols[None, :], mask=ok[:, None], other=0.0, eviction_policy=EVICT
-        )
-        if F16:
-            x = x.to(
-                tl.float16
-            )  # one cvt.rn.f16x2.e4m3x2 per two values; bf16 takes a second cvt each
-        else:
-            x = x.to(tl.bfloat16)
-        if DOT_F32:
-            x = x.to(tl.float32)
-        return x
-
-    @triton.jit
-    def _fused_vrows(
-        row, cols, ok, DOT_F32: tl.constexpr, F16: tl.constexpr, PV_ASM: tl.constexpr
-    ):
-        # The PV operand V is [positions, latent]: for the dot it must be read transposed,
-        # which ldmatrix does for 16-bit values only, so FP8 kept in shared memory is read
-        # back a byte at a time (128 ld.shared.b8 a thread a step). PV_ASM converts in
-        # registers, through an opaque cvt the pipeliner does not move past shared memory:
-        # the operand is staged as f16/bf16 and read with ldmatrix.trans.
-        if PV_ASM:
-            x = tl.load(
-                row + cols[None, :],
-                mask=ok[:, None],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-            x = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-                "=r,=r,r",
-                [x.to(tl.uint8, bitcast=True)],
-                dtype=tl.float16,
-                is_pure=False,
-                pack=4,
-            )
-            if not F16:
-                x = x.to(tl.bfloat16)  # exact: every e4m3 value is a bf16 value
-        else:
-            x = _fused_rows(row, cols, ok, DOT_F32, "evict_first", F16)
-        return x
-
-    @triton.jit
-    def _fused_q(q, rows, cols, ok, scale, DOT_F32: tl.constexpr, F16: tl.constexpr):
-        x = tl.load(q + rows + cols[None, :], mask=ok[:, None], other=0.0)
-        if F16:
-            x = (x.to(tl.float32) * scale).to(tl.float16)
-        if DOT_F32:
-            x = x.to(tl.float32)
-        return x
-
-    @triton.jit
-    def _fused_amax(q, rows, cols, ok):
-        return tl.max(
-            tl.max(
-                tl.abs(
-                    tl.load(q + rows + cols[None, :], mask=ok[:, None], other=0.0).to(
-                        tl.float32
-                    )
-                ),
-                1,
-            ),
-            0,
-        )
+    _fused_build_ops(triton, tl)
 
     @triton.jit(do_not_specialize=["n_splits", "n_slots", "table_stride", "min_split"])
     def _fused_split_kernel(
@@ -156,6 +96,7 @@ def _fused_build():
         DOT_F32: tl.constexpr,
         F16: tl.constexpr,
         PV_ASM: tl.constexpr,
+        V_EARLY: tl.constexpr,
     ):
         # The latent (D = 4 x C) is handled in four column chunks, each its own operand
         # and accumulator: a whole [BLOCK_N, 512] bf16 tile as one dot operand pinned
@@ -239,6 +180,19 @@ def _fused_build():
             slot = page * PS + pos % PS
             ok = ok & (slot >= 0) & (slot < n_slots)  # never read outside the pool
             row = kv + slot[:, None] * stride_kv
+            if V_EARLY:
+                v0 = _fused_vraw(
+                    row, c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
+                )
+                v1 = _fused_vraw(
+                    row, C + c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
+                )
+                v2 = _fused_vraw(
+                    row, 2 * C + c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
+                )
+                v3 = _fused_vraw(
+                    row, 3 * C + c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
+                )
             qk = tl.dot(
                 q0, tl.trans(_fused_rows(row, c, ok, DOT_F32, "evict_last", F16))
             )
@@ -284,22 +238,38 @@ def _fused_build():
                 pb = pb.to(tl.float32)
             acc0 = tl.dot(
                 pb,
-                _fused_vrows(row, c, ok, DOT_F32, F16, PV_ASM),
+                (
+                    _fused_vcvt(v0, F16)
+                    if V_EARLY
+                    else _fused_vrows(row, c, ok, DOT_F32, F16, PV_ASM)
+                ),
                 acc0 * alpha[:, None],
             )
             acc1 = tl.dot(
                 pb,
-                _fused_vrows(row, C + c, ok, DOT_F32, F16, PV_ASM),
+                (
+                    _fused_vcvt(v1, F16)
+                    if V_EARLY
+                    else _fused_vrows(row, C + c, ok, DOT_F32, F16, PV_ASM)
+                ),
                 acc1 * alpha[:, None],
             )
             acc2 = tl.dot(
                 pb,
-                _fused_vrows(row, 2 * C + c, ok, DOT_F32, F16, PV_ASM),
+                (
+                    _fused_vcvt(v2, F16)
+                    if V_EARLY
+                    else _fused_vrows(row, 2 * C + c, ok, DOT_F32, F16, PV_ASM)
+                ),
                 acc2 * alpha[:, None],
             )
             acc3 = tl.dot(
                 pb,
-                _fused_vrows(row, 3 * C + c, ok, DOT_F32, F16, PV_ASM),
+                (
+                    _fused_vcvt(v3, F16)
+                    if V_EARLY
+                    else _fused_vrows(row, 3 * C + c, ok, DOT_F32, F16, PV_ASM)
+                ),
                 acc3 * alpha[:, None],
             )
             m_i = m_new

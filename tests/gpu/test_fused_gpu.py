@@ -326,14 +326,16 @@ def test_cached_launch_matches_the_triton_launch_and_respecialises():
 
 
 @pytest.mark.parametrize("f16", [True, False])
-def test_v_converted_before_its_transposed_read(f16):
-    """pv_asm: V converted to 16 bits in registers (inline cvt) and read with ldmatrix.trans.
-    The same fp32-reference check as every path, with draft tokens and causal."""
+@pytest.mark.parametrize("v_early", [0, 1, 2])
+def test_v_converted_before_its_transposed_read(f16, v_early):
+    """pv_asm: V converted to 16 bits in registers (inline cvt) and read with ldmatrix.trans;
+    v_early 1 loads its bytes before the QK dots, 2 takes them from QK's own load (one
+    read a row). The same fp32-reference check as every path, with draft tokens and causal."""
     lens = [4, 77, 4096, 513]
     pool = fp8_pool(40_000)
     perm, indptr = indptr_batch(lens, 40_000)
     qn, qp = queries(len(lens) * 4, 16)
-    cfg = {"pv_asm": True, "f16": f16}
+    cfg = {"pv_asm": True, "f16": f16, "v_early": v_early}
     out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=True, config=cfg)
     ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), 4, True)
     assert ok(out, ref), rel_err(out, ref)
