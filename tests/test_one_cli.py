@@ -23,14 +23,16 @@ def test_python_m_kvpatch_verify_is_kvpatch_verify(tmp_path):
     assert old.returncode == 2 and "No such option '--device'" in old.stderr
 
 
-# An importer that raises KeyboardInterrupt the moment the CLI pulls in libcst: a
+# An importer that raises KeyboardInterrupt the moment the CLI pulls in click: a
 # Ctrl-C landing while the CLI is still loading, made deterministic (CI's 3.10 leg
-# once hit it by chance in test_faults' random SIGINT and printed a traceback).
+# once hit it by chance in test_faults' random SIGINT and printed a traceback). click,
+# not libcst: every command loads click first, while libcst is loaded only once a
+# command needs it (verify checks its path before that).
 _INTERRUPT_DURING_IMPORT = """
 import runpy, sys
 class Interrupt:
     def find_spec(self, name, path=None, target=None):
-        if name == "libcst":
+        if name == "click":
             raise KeyboardInterrupt
 sys.meta_path.insert(0, Interrupt())
 sys.argv = [sys.argv[0], {args}]
