@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import ast
 import gc
-import os
-import signal
-import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import libcst as cst
 
 from kvpatch import selection
-from kvpatch.analysis import discover, suppress
+from kvpatch.analysis import discover, suppress, workers
 from kvpatch.analysis.candidates import CastCandidate, PlanCandidate, bind_plan_args, calls_in, is_mla_plan
 from kvpatch.analysis.classify import prove_noop, unreachable
 from kvpatch.analysis.locate import locate
@@ -275,74 +271,70 @@ def _decide_plan(fa: FileAnalysis, ctx: UnitContext, cand: PlanCandidate, plan_r
 
 
 # -- a whole tree (ScanResult: kvpatch.sites) -------------------------------
-def _scan_chunk(args) -> Tuple[int, List[FileRecords], List[FileError]]:
-    root, paths, select, plan = args
+def _read_chunk(args) -> list:
+    root, indexed = args
+    return discover.read_candidates(root, indexed)
+
+
+def _analyze_files(sources, select, plan) -> List[FileRecords]:
     rules = load_rules(select)
     out: List[FileRecords] = []
-    errs: List[FileError] = []
-    for p in paths:
-        got = discover.read_candidate(root, p)
-        if got is None:
-            continue
-        if isinstance(got, discover.ReadError):
-            errs.append(FileError(got.rel, got.message))
-            continue
-        fa = analyze_source(got.rel, got.data, rules)
+    for src in sources:
+        fa = analyze_source(src.rel, src.data, rules)
         rec = fa.records()
         if plan is not None and rec.fixable:
             rec.planned = plan(fa, rules)
         out.append(rec)
-    return len(paths), out, errs
-
-
-def _die_with_parent() -> None:
-    """Worker initializer: on Linux the kernel kills a worker when its parent
-    dies (kill -9 included), so no scan outlives the command."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:  # no libc by that name (musl): workers then end with the pool
-        pass
+    return out
 
 
 def scan_tree(root: Path, select: Optional[Sequence[str]] = None, jobs: Optional[int] = None,
               progress: Optional[Callable[[int, int], None]] = None,
               excluded: Optional[Callable[[str], bool]] = None,
-              plan: Optional[Callable[[FileAnalysis, Sequence[Rule]], object]] = None) -> ScanResult:
+              plan: Optional[Callable[[FileAnalysis, Sequence[Rule]], object]] = None,
+              prefetched=None) -> ScanResult:
     """Analyse every candidate file of the tree (in worker processes for a big
     one). `plan`, a module-level function, is called on each fixable file's
     analysis where it was made; its answer travels back as `FileRecords.planned`
-    (apply's rewrites: so apply analyses each file once)."""
+    (apply's rewrites: so apply analyses each file once). `prefetched`: audit's
+    helper that listed and read the tree already (kvpatch/analysis/prefetch.py)."""
     t0 = time.perf_counter()
     root = root.resolve()
-    paths = list(discover.iter_python_paths(root, excluded))
-    load_rules(select)  # fail fast on an unknown rule name
-    jobs = jobs or min(2, os.cpu_count() or 1)
-    if len(paths) < 200:
-        jobs = 1  # a small tree costs less than a worker start
-    chunks = discover.chunk(paths, jobs * 4 if jobs > 1 else 1)
-    files: List[FileRecords] = []
-    errors: List[FileError] = []
-    done = 0
-    if jobs == 1:
-        results = map(_scan_chunk, [(root, c, select, plan) for c in chunks])
-        executor = None
+    got = prefetched.take(root, excluded) if prefetched is not None else None
+    if got is not None:
+        t0 = min(t0, prefetched.started)  # the scan's time includes the helper's
+        paths = None
+        total, found = got
     else:
-        executor = ProcessPoolExecutor(max_workers=jobs, initializer=_die_with_parent)
-        results = executor.map(_scan_chunk, [(root, c, select, plan) for c in chunks])
+        paths = list(discover.iter_python_paths(root, excluded))
+        total, found = len(paths), None
+    load_rules(select)  # fail fast on an unknown rule name
+    jobs = workers.effective_jobs(jobs)
+    if total < 200:
+        jobs = 1  # a small tree costs less than a worker start
+    executor = workers.pool(jobs) if jobs > 1 else None
     try:
-        for n, recs, errs in results:
-            done += n
-            files += recs
-            errors += errs
+        # 1. which files can hold a site: read and byte-filtered in chunks, unless prefetched.
+        if found is None and executor is not None:
+            chunks = discover.chunk(list(enumerate(paths)), jobs * 4)
+            found = [x for part in executor.map(_read_chunk, [(root, c) for c in chunks]) for x in part]
+        elif found is None:
+            found = discover.read_candidates(root, enumerate(paths))
+        found.sort(key=lambda x: x[0])  # read errors in path order, however the chunks fell
+        errors = [FileError(x.rel, x.message) for _, x in found if isinstance(x, discover.ReadError)]
+        sources = [x for _, x in found if isinstance(x, discover.SourceFile)]
+        # 2. each candidate analysed, the largest first.
+        done = total - len(sources)
+        if progress:
+            progress(done, total)
+        files: List[FileRecords] = []
+        for rec in workers.largest_first(executor, _analyze_files, sources, lambda s: len(s.data), select, plan):
+            files.append(rec)
+            done += 1
             if progress:
-                progress(done, len(paths))
+                progress(done, total)
     finally:
         if executor is not None:
-            executor.shutdown()
+            executor.shutdown(cancel_futures=True)
     files.sort(key=lambda f: f.rel)
-    return ScanResult(root, len(paths), len(files), files, errors, time.perf_counter() - t0)
+    return ScanResult(root, total, len(files), files, errors, time.perf_counter() - t0)

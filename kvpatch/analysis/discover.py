@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple, Union
 
 from kvpatch.checkout import repo
 from kvpatch.names import CANNOT_READ, CANDIDATE_MARKERS, MLA_PLAN_FUNCTIONS, MLA_WRAPPER, SKIP_DIRS
@@ -114,6 +114,17 @@ def read_candidate(root: Path, path: Path):
     if not is_candidate(data):
         return None
     return SourceFile(rel, path, data)
+
+
+def read_candidates(root: Path, indexed: Iterable[Tuple[int, Path]]) -> List[Tuple[int, Union[SourceFile, ReadError]]]:
+    """read_candidate over (index, path) pairs: the candidates and the read errors, each
+    with its path's index (the files that cannot hold a site are left out)."""
+    out = []
+    for i, path in indexed:
+        got = read_candidate(root, path)
+        if got is not None:
+            out.append((i, got))
+    return out
 
 
 def looks_like_sglang(root: Path) -> Optional[str]:

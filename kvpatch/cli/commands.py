@@ -19,7 +19,7 @@ from kvpatch import __version__
 from kvpatch.checkout import envfail
 from kvpatch.cli.out import CONTEXT, Out, _check_rules, _root, _rules_opt
 from kvpatch.cli.out import _settings  # pyproject.toml's [tool.kvpatch] (kvpatch/config.py)
-from kvpatch.cli.out import _Main, _exit_help, apply_counts
+from kvpatch.cli.out import _Main, _Prefetcher, _exit_help, apply_counts
 from kvpatch.output.exitcodes import EXIT_ERROR, EXIT_OK, EXIT_PARTIAL, EXIT_USER_INTERRUPT
 
 
@@ -94,8 +94,9 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
     if quiet:
         out.quiet = True
     out.verbose += verbose
-    cfg = _settings(path, out, rules=rules, jobs=jobs)  # options over pyproject.toml's [tool.kvpatch]
-    select, jobs, excluded = cfg.rules.value, cfg.jobs.value, cfg.excluder(Path(path))
+    early = _Prefetcher(path, scan_only=not (new_path or against or as_sarif))  # started before the rules load
+    cfg = _settings(path, out, rules=rules, jobs=jobs, before_rules=early)  # options over [tool.kvpatch]
+    select, jobs, excluded = cfg.rules.value, cfg.jobs.value, early.excluded
     rule_objs = _check_rules(select, out)
     root = _root(path, out)
     if new_path or against:
@@ -116,7 +117,7 @@ def audit(out: Out, path, new_path, as_json, as_sarif, output, against, jobs, ru
         out.scanned(scan)
         out.times(("scan", scan.seconds), ("plan+rewrite", time.perf_counter() - t0 - scan.seconds))
     else:
-        scan, fixes = scan_tree(root, select, jobs, out.progress(), excluded), {}
+        scan, fixes = scan_tree(root, select, jobs, out.progress(), excluded, prefetched=early.helper), {}
         out.scanned(scan)
         out.times(("scan", scan.seconds))
     if as_json:
