@@ -183,8 +183,10 @@ def sweep(rt, fz, ws, pools, bw, gen):
     return best
 
 
-def host_time(rt, fz, gen):
-    """Eager host time per call (no sync inside the loop), against a plain torch op."""
+def host_calls(rt, fz, gen):
+    """The eager calls whose host time counts, by name, against a plain torch op first
+    (gpu/host_profile.py profiles the same calls). The routed call raises unless it takes
+    the fused path: callers set rt._want_fused."""
     pool = make_pool(65536, gen)
     b = batch(65536, 1, 64, 16, 1, gen)
     out = torch.empty((1, 16, CKV), dtype=BF16, device="cuda")
@@ -207,6 +209,12 @@ def host_time(rt, fz, gen):
         raise AssertionError("the routed call did not take the fused path")
 
     calls["paged_attention (routed call, fused)"] = lambda: rt.paged_attention(no_kernel, **routed)
+    return calls
+
+
+def host_time(rt, fz, gen):
+    """Eager host time per call (no sync inside the loop), against a plain torch op."""
+    calls = host_calls(rt, fz, gen)
     res = {}
     want = rt._want_fused
     rt._want_fused = lambda *a: True  # the fused path whatever auto would pick here
