@@ -109,6 +109,8 @@ def _fused_build():
         # DOT_F32: Triton's interpreter (CPU tests) multiplies bf16 operands as raw bits,
         # so there the dots take the same bf16 values widened to fp32.
         C: tl.constexpr = D // 4
+        # V_EARLY 2 gives V's load QK's hint, so the two loads are one (merged by CSE).
+        V_HINT: tl.constexpr = "evict_last" if V_EARLY == 2 else "evict_first"
         b = tl.program_id(0)
         s = tl.program_id(1)
         g = tl.program_id(2)
@@ -181,18 +183,10 @@ def _fused_build():
             ok = ok & (slot >= 0) & (slot < n_slots)  # never read outside the pool
             row = kv + slot[:, None] * stride_kv
             if V_EARLY:
-                v0 = _fused_vraw(
-                    row, c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
-                )
-                v1 = _fused_vraw(
-                    row, C + c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
-                )
-                v2 = _fused_vraw(
-                    row, 2 * C + c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
-                )
-                v3 = _fused_vraw(
-                    row, 3 * C + c, ok, "evict_last" if V_EARLY == 2 else "evict_first"
-                )
+                v0 = _fused_vraw(row, c, ok, V_HINT)
+                v1 = _fused_vraw(row, C + c, ok, V_HINT)
+                v2 = _fused_vraw(row, 2 * C + c, ok, V_HINT)
+                v3 = _fused_vraw(row, 3 * C + c, ok, V_HINT)
             qk = tl.dot(
                 q0, tl.trans(_fused_rows(row, c, ok, DOT_F32, "evict_last", F16))
             )

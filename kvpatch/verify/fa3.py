@@ -222,8 +222,7 @@ class FA3Verifier:
     def graph(self, ps, kind=DECODE, tq=1):
         """Capture kind's forward once, replay it with the batch's buffers rewritten in
         place (kv lengths hold the tq query tokens of each request, as in target verify)."""
-        cap_lens, replays = GRAPH_LENS
-        cap_lens, replays = [n + tq - 1 for n in cap_lens], [[n + tq - 1 for n in r] for r in replays]
+        cap_lens, replays = [n + tq - 1 for n in GRAPH_LENS[0]], [[n + tq - 1 for n in r] for r in GRAPH_LENS[1]]
         width = max(math.ceil(n / ps) for lens in [cap_lens] + replays for n in lens) + 2
         cap = self.new_case(ps, cap_lens, [tq] * len(cap_lens), width=width)
         exec_ = "graph" if self.capture else "replay"
