@@ -145,8 +145,9 @@ class Rule:
       this an upstream fix the rule knows? (an Upstream)
     A rule with ``FALLBACK = True`` decides what no other rule claimed; it is
     never selected by ID; ``--rules`` subsets choose who rewrites, not verdicts.
-    ``PAIRS_WITH`` names a rule whose rewrite (or patched form) must be in the
-    same file for this rule's rewrites to apply; ``NEEDS_ALL`` names a rule
+    ``PAIRS_WITH`` names a rule (or a tuple of rules, any one of which will do) whose
+    rewrite (or patched form) must be in the same file for this rule's rewrites to
+    apply; ``NEEDS_ALL`` names a rule
     every finding of which in the file must be rewritable or patched.
     ``EMITS`` lists the runtime functions the rule's rewrites call.
     """
@@ -162,7 +163,7 @@ class Rule:
     INVALID: ClassVar[Sequence[Invalid]] = ()
     # Rewrite only in a file where this rule rewrites or has patched a site too
     # (a plan retargeted for a kernel input nobody changed would mismatch it).
-    PAIRS_WITH: ClassVar[Optional[str]] = None
+    PAIRS_WITH: ClassVar[Union[None, str, Tuple[str, ...]]] = None
     # Rewrite only where every finding of this rule in the same file is rewritten
     # or patched: a gathered cast is right only if every call that tells the
     # kernel its rows also tells the runtime.
@@ -185,6 +186,14 @@ class Rule:
     @property
     def fixes(self) -> bool:
         return any(ex.expected is not None for ex in self.INVALID)
+
+
+def partners(rule) -> Tuple[str, ...]:
+    """The IDs a rule's PAIRS_WITH names: one, several (any of which pairs), or none."""
+    p = getattr(rule, "PAIRS_WITH", None)
+    if not p:
+        return ()
+    return (p,) if isinstance(p, str) else tuple(p)
 
 
 # Extra rule folders (os.pathsep-separated), loaded after rules/: a rule

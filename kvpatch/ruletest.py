@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional, Sequence
 
 from kvpatch.engine import FileAnalysis, analyze_source
 from kvpatch.rewrite.transform import plan_rewrite
-from kvpatch.rule import Example, Rule
+from kvpatch.rule import Example, Rule, partners
 from kvpatch.sites import HOT, NEEDS_ACTION, PATCHED, PLAN_PATCHED, PLAN_REWRITE, Record
 
 REL = "python/sglang/srt/layers/attention/example_backend.py"
@@ -36,7 +36,7 @@ class Case:
 
 
 def alone(rule: Rule, rules: Sequence[Rule]) -> List[Rule]:
-    return [r for r in rules if r.ID in (rule.ID, rule.PAIRS_WITH, rule.NEEDS_ALL)]
+    return [r for r in rules if r.ID in (rule.ID, *partners(rule), rule.NEEDS_ALL)]
 
 
 def cases(rules: Sequence[Rule], chosen: Optional[Sequence[Rule]] = None) -> Iterator[Case]:

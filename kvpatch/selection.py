@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Tuple
 
-from kvpatch.rule import Decision, Rule
+from kvpatch.rule import Decision, Rule, partners
 from kvpatch.sites import HOT, PATCHED, PLAN_IGNORED, PLAN_PATCHED, PLAN_REWRITE, UNSUPPORTED, Site
 
 
@@ -32,7 +32,10 @@ def select(fa, rules: Sequence[Rule]) -> None:
         for d in fa.decided:
             if d.rule is None or d.decision is None or not d.decision.fixable:
                 continue
-            left_out = next((i for i in (d.rule.ID, d.rule.PAIRS_WITH) if i in off), None)
+            pals = partners(d.rule)
+            left_out = d.rule.ID if d.rule.ID in off else None
+            if pals and all(i in off for i in pals):
+                left_out = " / ".join(pals)
             if left_out:  # the verdict stands; nothing is rewritten
                 d.decision = Decision(d.decision.status, d.decision.reason, [], d.decision.notes
                                       + [f"not rewritten: {left_out} is not among the selected rules"])
@@ -61,11 +64,12 @@ def pair(fa) -> None:
             d.decision = Decision(UNSUPPORTED, reason)
             d.record.status, d.record.reason, d.record.fixable = UNSUPPORTED, reason, False
     for d in fa.decided:
-        partner = getattr(d.rule, "PAIRS_WITH", None)
-        if not partner or d.decision is None or not d.decision.fixable:
+        pals = partners(d.rule)
+        if not pals or d.decision is None or not d.decision.fixable:
             continue
-        if any(s.rule == partner and (s.fixable or s.status == PATCHED) for s in fa.sites):
+        if any(s.rule in pals and (s.fixable or s.status == PATCHED) for s in fa.sites):
             continue
+        partner = " or ".join(pals)
         reason = (f"left as is: no {partner} cast is rewritten or patched in this file, so run() still "
                   f"receives what this plan declares")
         status = PLAN_IGNORED if d.decision.status == PLAN_REWRITE else HOT

@@ -1,13 +1,14 @@
 """Example sources shared by the FlashInfer MLA rules' VALID/INVALID examples
-(rules/fi_mla_pool_cast.py, KVP101; rules/fi_mla_plan_kv_dtype.py, KVP102):
+(rules/fi_mla_pool_cast.py, KVP101; rules/fi_mla_plan_kv_dtype.py, KVP102;
+rules/fi_mla_route.py, KVP107):
 hand-written, shaped like SGLang's FlashInfer MLA backend (not SGLang code)."""
 
 from kvpatch.rewrite.codegen import IMPORT_LINE
 
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
 RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
-# KVP102 retargets plans only next to a cast that KVP101 rewrites (PAIRS_WITH):
-# KVP101's site, and its rewrite.
+# KVP102 retargets plans only next to a cast that KVP101 or KVP107 rewrites
+# (PAIRS_WITH): the site, and KVP101's rewrite of it.
 BACKEND = """
 class FlashInferMLAAttnBackend:
     def forward_decode(self, q, q_rope, layer, forward_batch):
@@ -25,6 +26,18 @@ class FlashInferMLAAttnBackend:
             q.dtype,
         )
         return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], **_kvpatch_rt.run_kwargs(decode_wrapper))
+"""
+# KVP107's rewrite of the same site, what apply writes with every rule loaded (KVP102
+# pairs with either).
+BACKEND_ROUTED = """
+class FlashInferMLAAttnBackend:
+    def forward_decode(self, q, q_rope, layer, forward_batch):
+        decode_wrapper = self.forward_metadata.decode_wrapper
+        k_buffer = _kvpatch_rt.kv_for_mla_run(
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            q.dtype,
+        )
+        return _kvpatch_rt.mla_run(decode_wrapper.run, q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
 """
 # A FlashInfer decode wrapper's JIT plan (16 positional arguments, shaped like
 # SGLang b11008465's flashinfer_backend.py): not an MLA wrapper's plan().

@@ -31,7 +31,7 @@ from kvpatch.names import KV_CACHE_DTYPE
 from kvpatch.rule import Decision, Invalid, NeedRuntime, ReplaceNode, Rule, Valid
 from kvpatch.sites import PLAN_PATCHED, PLAN_REWRITE, PLAN_UNSUPPORTED
 
-from ._fi_mla_examples import BACKEND, BACKEND_PATCHED, HEADER, JIT_DECODE_PLAN, RT
+from ._fi_mla_examples import BACKEND, BACKEND_ROUTED, HEADER, JIT_DECODE_PLAN, RT
 
 KV_CACHE_ATTR = "_kvpatch_kv_cache_dtype"
 
@@ -42,7 +42,7 @@ class FlashInferMlaPlanKvDtype(Rule):
     SUMMARY = "FlashInfer MLA plan(): kv dtype argument -> the runtime's choice (FP8 when native)"
     KIND = "plan"
     PRIORITY = 10
-    PAIRS_WITH = "KVP101"
+    PAIRS_WITH = ("KVP101", "KVP107")  # the gathered cast, or the routed run()
     EMITS = ("plan_kv_dtype", "plan_rows")  # the kv dtype argument; the kv_indptr argument
     CHECKED_ON = ("sglang 2e4babdb0 (2025-05-15)", "sglang 3cc3d9b95 (2025-08-21)",
                   "sglang eae59b337 (2025-11-14)", "sglang c5251a98a (2026-05-21)",
@@ -109,7 +109,7 @@ class FlashInferMLAIndicesUpdaterDecode:
 
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
         wrapper.plan(q_indptr, _kvpatch_rt.plan_rows(wrapper, kv_indptr), kv_indices, kv_lens, 128, 512, 64, 1, False, sm_scale, self.data_type, _kvpatch_rt.plan_kv_dtype(wrapper, self.data_type, self.data_type, self._kvpatch_kv_cache_dtype, False))
-""" + BACKEND_PATCHED,
+""" + BACKEND_ROUTED,
             status="rewrite",
             why="positional decode plan: kv_indptr (argument 1) is routed, the kv dtype (argument 11) retargeted",
         ),
@@ -164,7 +164,7 @@ class FlashInferMLAIndicesUpdaterDecode:
                 False,
             ),
         )
-''' + BACKEND_PATCHED,
+''' + BACKEND_ROUTED,
             status='rewrite',
             why='keyword plan (v0.5.1 shape): kv_indptr= routed, kv_data_type= retargeted',
         ),
@@ -219,7 +219,7 @@ class FlashInferMLAIndicesUpdaterPrefill:
                 True,
             ),
         )
-''' + BACKEND_PATCHED,
+''' + BACKEND_ROUTED,
             status='rewrite',
             why='prefill plan, one argument per line, an annotated runner parameter',
         ),
@@ -239,7 +239,7 @@ class Updater:
 
     def call_begin_forward(self, wrapper, q_indptr, kv_indptr, kv_indices, kv_lens, sm_scale):
         wrapper.plan(q_indptr, _kvpatch_rt.plan_rows(wrapper, kv_indptr), kv_indices, kv_lens, 16, 512, 64, 1, False, sm_scale, self.data_type, self.data_type)
-''' + BACKEND_PATCHED,
+''' + BACKEND_ROUTED,
             status='rewrite',
             why='no model_runner in __init__: the KV-cache dtype is not reachable, so only the rows are routed '
                 '(gathered cast, no native FP8)',
@@ -268,7 +268,7 @@ class FlashInferMLAIndicesUpdaterPrefill:
             fast_verify_plan_kwargs["kv_len_arr_cpu"],
             16, 512, 64, 1, True, sm_scale, self.q_data_type, self.data_type,
         )
-''' + BACKEND_PATCHED,
+''' + BACKEND_ROUTED,
             status='rewrite',
             why="SGLang 0.5.23's DFLASH verify replay plans with the plain function and host arrays; the wrapper's "
                 "own indptr buffer is never refreshed, so the rows must come from this call",
@@ -289,7 +289,7 @@ class Updater:
                               head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=True, sm_scale=sm_scale,
                               q_data_type=self.dt, kv_data_type=self.dt)
         wrapper.plan(qo, _kvpatch_rt.plan_rows(wrapper, kvp), kvi, kvl, 16, 512, 64, 1, True, sm_scale, self.dt, _kvpatch_rt.plan_kv_dtype(wrapper, self.dt, self.dt, self._kvpatch_kv_cache_dtype, True))
-''' + BACKEND_PATCHED,
+''' + BACKEND_ROUTED,
             status='rewrite',
             why="fast_mla_prefill_plan with a keyword kv_indptr; the stock plan() next to it is already patched",
         ),
@@ -317,7 +317,7 @@ class FlashInferMLAIndicesUpdaterDecode:
             num_heads=16, head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=False,
             sm_scale=sm_scale, q_data_type=self.dt, kv_data_type=self.dt,
         )
-''' + BACKEND_PATCHED,
+''' + BACKEND_ROUTED,
             status='rewrite',
             why="a replay plan through `wrapper.plan = partial(fast_mla_decode_plan, wrapper)`, with its "
                 "host-array keywords (SGLang 2025-08): kv_indptr_cpu= is the kv_indptr",

@@ -111,6 +111,7 @@ class B:
         return o
 """,
             why="decode, one line, forward_batch receiver (2025)",
+            preempted_by="KVP107",
         ),
         Invalid(
             HEADER + '''
@@ -146,6 +147,7 @@ class FlashInferMLAAttnBackend:
 ''',
             status='hot',
             why='q.dtype wrapped onto its own line with a comment; exploded run() call',
+            preempted_by="KVP107",
         ),
         Invalid(
             HEADER + '''
@@ -168,6 +170,7 @@ class B:
 ''',
             status='hot',
             why='two-statement form: the buffer is bound first and cast later under a guard',
+            preempted_by="KVP107",
         ),
         Invalid(
             HEADER + '''
@@ -200,6 +203,7 @@ class B:
 ''',
             status='hot',
             why='the same cast in both arms of an if/else',
+            preempted_by="KVP107",
         ),
         Invalid(
             HEADER + '''
@@ -261,6 +265,7 @@ class B:
 ''',
             status='hot',
             why='a parameter aliased to a local, get_value_buffer, a local dtype alias',
+            preempted_by="KVP107",
         ),
         Invalid(
             HEADER + '''
@@ -291,6 +296,7 @@ class B:
 ''',
             status='hot',
             why="self.data_type as the dtype; the backend's self.kv_indptr is not passed: the plan calls give the rows",
+            preempted_by="KVP107",
         ),
         Invalid(
             HEADER + '''
@@ -302,6 +308,7 @@ class B:
 ''',
             status='unsupported',
             why='the wrapper is bound only after the cast',
+            preempted_by="KVP107",
         ),
         Invalid(
             HEADER + '''
@@ -312,7 +319,7 @@ class B:
     def forward_decode(self, q, q_rope, layer, forward_batch):
         decode_wrapper = self.forward_metadata.decode_wrapper
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
+        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], self.kpe_cache)
 ''',
             status='unsupported',
             why="a plan call whose rows cannot be routed to the runtime (its wrapper expression would be "

@@ -31,10 +31,9 @@ import libcst as cst
 
 from kvpatch.analysis.candidates import CastCandidate
 from kvpatch.analysis.match import Consumer, UnitContext, consumer_names
-from kvpatch.analysis.pagedcall import CACHE_KEYWORDS, ROUTABLE_KERNELS, ROUTABLE_VIEWS, is_cache_arg, kernel_name, kw, walk
+from kvpatch.analysis.pagedcall import CACHE_KEYWORDS, ROUTABLE_KERNELS, is_cache_arg, kernel_name, kw, routable_view, walk
 from kvpatch.analysis.stable import nested_scopes
-from kvpatch.analysis.tensorops import VIEW_FUNCTIONS
-from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder
+from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder, route_call_builder
 from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid, refuse_unless_plain_cast
 from kvpatch.sites import HOT
 
@@ -146,7 +145,7 @@ class FlashAttentionBackend:
             return None  # KVP103 (or another rule) decides
         edits = [ReplaceNode(ctx.unit.qualname, cand.call,
                              cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{self.EMITS[0]}"))]
-        edits += [ReplaceNode(ctx.unit.qualname, call, _route_builder(f"{RUNTIME_ALIAS}.{self.EMITS[1]}"))
+        edits += [ReplaceNode(ctx.unit.qualname, call, route_call_builder(f"{RUNTIME_ALIAS}.{self.EMITS[1]}"))
                   for call in calls]
         return Decision(
             HOT,
@@ -173,7 +172,7 @@ def _routable_calls(consumers: List[Consumer], ctx: UnitContext) -> Optional[Lis
             return None
         if any(a.keyword is None and not a.star for a in c.call.args) or isinstance(c.call.func, cst.Call):
             return None
-        if any(not _routable_view(v) for v in c.views):
+        if any(not routable_view(v) for v in c.views):
             return None
         seen.setdefault(id(c.call), set()).add(c.keyword)
         if all(x is not c.call for x in calls):
@@ -186,29 +185,3 @@ def _routable_calls(consumers: List[Consumer], ctx: UnitContext) -> Optional[Lis
     if any(isinstance(n, cst.Name) and n.value in names for scope in nested_scopes(ctx) for n in walk(scope)):
         return None
     return calls
-
-
-def _routable_view(call: cst.Call) -> bool:
-    """`x.view(...)` or SGLang's `paged_view(x, page_size)` (an as_strided view): both keep
-    the pool's storage and row stride, from which the runtime finds the pool again."""
-    f = call.func
-    return (isinstance(f, cst.Attribute) and f.attr.value in ROUTABLE_VIEWS) or (
-        isinstance(f, cst.Name) and f.value in VIEW_FUNCTIONS)
-
-
-def _route_builder(func: str):
-    """`kernel(args)` -> `func(kernel, args)`, the kernel on its own line where the
-    arguments start on a new line, else in front of them on the same line."""
-    alias, name = func.split(".")
-
-    def build(updated: cst.Call) -> cst.Call:
-        ws = updated.whitespace_before_args
-        if isinstance(ws, cst.ParenthesizedWhitespace):
-            after = ws.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
-        else:
-            after = cst.SimpleWhitespace(" ")
-        first = cst.Arg(value=updated.func, comma=cst.Comma(whitespace_after=after))
-        return updated.with_changes(func=cst.Attribute(value=cst.Name(alias), attr=cst.Name(name)),
-                                    args=[first, *updated.args])
-
-    return build

@@ -64,9 +64,9 @@ def test_status_not_patched_then_drift(example):
     assert st.exit_code == 1 and st.output.startswith("not patched")
     assert run("apply", example).exit_code == 0
     p = example / FI_MLA
-    # An edit inside forward_decode's rewritten cast (its wrapper argument).
-    p.write_text(p.read_text().replace("            decode_wrapper,\n            q.dtype,  # FP8",
-                                       "            self.other_wrapper,\n            q.dtype,  # FP8", 1))
+    # An edit inside forward_decode's rewritten cast (its dtype argument).
+    p.write_text(p.read_text().replace("            q.dtype,  # FP8",
+                                       "            q_nope.dtype,  # FP8", 1))
     st = run("status", example)
     assert st.exit_code == 3 and st.output.startswith("drifted")
     assert "FlashInferMLAAttnBackend.forward_decode" in st.output
@@ -122,7 +122,7 @@ def test_no_commit_writes_files_only(example_git):
     assert r.exit_code == 0 and "--no-commit" in r.output
     assert git(example_git, "rev-parse", "HEAD") == head
     assert git(example_git, "rev-parse", "--abbrev-ref", "HEAD") == "main"
-    assert "_kvpatch_rt.kv_for_kernel" in (example_git / FI_MLA).read_text()
+    assert "_kvpatch_rt.kv_for_mla_run" in (example_git / FI_MLA).read_text()
 
 
 def test_refused_file_leaves_everything_original(example, monkeypatch):
@@ -185,6 +185,6 @@ def test_an_edit_outside_the_patched_regions_is_not_drift(example):
     st = run("status", "--json", example)
     assert st.exit_code == 0 and json.loads(st.stdout)["state"] == "patched", st.output
     # ... while an edit inside a patched region still is.
-    p.write_text(p.read_text().replace("_kvpatch_rt.kv_for_kernel(", "_kvpatch_rt.kv_for_kernel_x(", 1))
+    p.write_text(p.read_text().replace("_kvpatch_rt.kv_for_mla_run(", "_kvpatch_rt.kv_for_mla_run_x(", 1))
     st = run("status", "--json", example)
     assert st.exit_code == 3 and json.loads(st.stdout)["state"] == "drifted", st.output

@@ -129,7 +129,7 @@ def test_color_flags(example):
 def test_rules_command():
     r = run("rules", "--json")
     rules = json.loads(r.output)
-    assert {x["id"] for x in rules} == {"KVP101", "KVP102", "KVP103", "KVP104", "KVP105", "KVP106", "KVP201"}
+    assert {x["id"] for x in rules} == {"KVP101", "KVP102", "KVP103", "KVP104", "KVP105", "KVP106", "KVP107", "KVP201"}
     assert all(x["examples"]["invalid"] >= 1 for x in rules)
     assert "KVP101" in run("rules").output
 
@@ -143,7 +143,7 @@ def test_dry_run_writes_nothing(example):
     before = tree_hashes(example)
     r = run("apply", "--dry-run", example)
     assert r.exit_code == 0, r.output
-    assert "+            k_buf = _kvpatch_rt.kv_for_kernel(" in r.output
+    assert "+            k_buf = _kvpatch_rt.kv_for_mla_run(" in r.output
     # The counts first, then the diff; the runtime module is one line unless --runtime-diff.
     assert r.output.index("sites would be rewritten: 3") < r.output.index("+            k_buf = _kvpatch_rt")
     assert "plan calls retargeted: 3" in r.output and "sites skipped: 1" in r.output
@@ -202,7 +202,7 @@ def test_rule_subset_keeps_verdicts_and_sarif_indexes_rules(example, tmp_path):
 
 
 def test_a_rule_paired_with_a_left_out_rule_rewrites_nothing(example):
-    """KVP102 retargets plans only next to KVP101 casts: with KVP101 left out
+    """KVP102 retargets plans only next to KVP101 or KVP107 casts: with both left out
     the plans keep their verdict but apply must leave the tree as it is."""
     before = tree_hashes(example)
     doc = json.loads(run("audit", "--json", "--rules", "KVP102", example).stdout)

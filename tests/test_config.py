@@ -92,7 +92,7 @@ def test_config_commit_false_is_no_commit_and_commit_overrides_it(example_git):
     assert r.exit_code == 0, r.output
     assert git(example_git, "rev-parse", "HEAD") == head  # no commit, no branch: as --no-commit
     assert git(example_git, "rev-parse", "--abbrev-ref", "HEAD") == "main"
-    assert "_kvpatch_rt.kv_for_kernel" in (example_git / FI_MLA).read_text()
+    assert "_kvpatch_rt.kv_for_mla_run" in (example_git / FI_MLA).read_text()
     r = run("revert", "--no-commit", example_git)
     assert r.exit_code == 0, r.output
     git(example_git, "checkout", "-q", "--", ".")  # the revert's own changes
@@ -111,7 +111,7 @@ def test_exclude_drops_a_hot_site_from_audit_apply_and_status(example):
     r = run("apply", example)
     assert r.exit_code == 0, r.output
     assert (example / FA3).read_bytes() == before  # not rewritten
-    assert "_kvpatch_rt.kv_for_kernel" in (example / FI_MLA).read_text()  # the others are
+    assert "_kvpatch_rt.kv_for_mla_run" in (example / FI_MLA).read_text()  # the others are
     st = run("status", example)
     assert st.exit_code == 0 and st.output.startswith("patched"), st.output
     (example / "pyproject.toml").unlink()  # without the config, the site is back

@@ -59,7 +59,7 @@ def test_apply_writes_the_safe_files_and_exits_5_naming_the_skipped_one(tmp_path
     r = run("apply", tree)
     assert r.exit_code == EXIT_PARTIAL, r.output
     assert bad in r.output
-    assert "_kvpatch_rt.kv_for_kernel(" in (tree / FI_MLA).read_text()
+    assert "_kvpatch_rt.kv_for_mla_run(" in (tree / FI_MLA).read_text()
 
 
 def test_apply_with_nothing_to_write_and_an_unreadable_file_is_2(tmp_path):

@@ -220,7 +220,7 @@ def test_a_tree_untracked_in_an_unrelated_repository_is_a_plain_directory(tmp_pa
     assert "not tracked by the git repository" in r.output and "plain directory" in r.output
     after = git_state(dotfiles)
     assert (after["refs"], after["head"], after["index"]) == (before["refs"], before["head"], before["index"])
-    assert "_kvpatch_rt.kv_for_kernel" in (tree / FI_MLA).read_text()
+    assert "_kvpatch_rt.kv_for_mla_run" in (tree / FI_MLA).read_text()
     assert run("revert", tree).exit_code == 0
     assert tree_hashes(tree) == tree_hashes(EXAMPLE)
 

@@ -103,9 +103,9 @@ def test_status_through_a_patch_life(tree):
     # A hand edit inside a rewritten region: drifted, exit 3, naming the site.
     p = tree / FI_MLA
     text = p.read_text()
-    site = "            decode_wrapper,\n            q.dtype,  # FP8 storage -> query dtype\n"
+    site = "            q.dtype,  # FP8 storage -> query dtype\n"
     assert text.count(site) == 1
-    p.write_text(text.replace(site, site.replace("decode_wrapper,", "self.decode_wrapper,")))
+    p.write_text(text.replace(site, site.replace("q.dtype,", "q_nope.dtype,")))
     edited = snapshot(tree)
     st = run("status", "--json", tree)
     doc = json.loads(st.stdout)
@@ -120,7 +120,7 @@ def test_status_through_a_patch_life(tree):
     rv = run("revert", "--force", tree)
     assert rv.exit_code == 0, rv.output
     kept = tree / (FI_MLA + ".kvpatch-drifted")
-    assert "self.decode_wrapper,\n" in kept.read_text()
+    assert "q_nope.dtype,  # FP8" in kept.read_text()
     kept.unlink()
     assert snapshot(tree) == original
     assert patched != original
@@ -282,7 +282,7 @@ def test_syntax_error_reported_with_line_and_others_still_patched(tree):
     assert "FlashInferMLAAttnBackend.forward_decode" in a.stdout  # the other files were still audited
     ap = run("apply", tree)
     assert ap.exit_code == 5 and f"{BROKEN}:4" in one_error_line(ap)  # 5: patched, one file skipped
-    assert "_kvpatch_rt.kv_for_kernel(" in (tree / FI_MLA).read_text()  # ... and patched
+    assert "_kvpatch_rt.kv_for_mla_run(" in (tree / FI_MLA).read_text()  # ... and patched
     assert (tree / BROKEN).read_bytes() == broken
 
 
@@ -297,7 +297,7 @@ def test_non_utf8_file(tree):
     ap = run("apply", tree)
     assert ap.exit_code == 5 and "latin_backend.py" in one_error_line(ap)
     assert bad.read_bytes() == data
-    assert "_kvpatch_rt.kv_for_kernel(" in (tree / FI_MLA).read_text()
+    assert "_kvpatch_rt.kv_for_mla_run(" in (tree / FI_MLA).read_text()
 
 
 def test_declared_latin1_file_is_read(tree):
@@ -333,7 +333,7 @@ def test_symlinked_file_is_never_written_through(tree, tmp_path):
     assert r.exit_code == 5  # the real file patched, the link skipped and named
     assert f"{FI_MLA}: is a symbolic link" in one_error_line(r)
     assert (tree / FI_MLA).is_symlink() and outside.read_bytes() == outside_bytes
-    assert "_kvpatch_rt.kv_for_kernel(" in (tree / second).read_text()
+    assert "_kvpatch_rt.kv_for_mla_run(" in (tree / second).read_text()
     rv = run("revert", tree)
     assert rv.exit_code == 0 and (tree / second).read_bytes() == outside_bytes
 
@@ -419,7 +419,7 @@ BOM_NO_EOL = (
     "        return decode_wrapper.run(q, q_rope, k_buffer[..., :512], k_buffer[..., 512:])"  # 14, no newline
 )
 # original lines (1-based) that the rewrite may change: the casts, the run() calls
-CHANGEABLE = {"crlf-tabs": {11, 12, 13, 14, 18, 23, 24}, "bom-no-eol": {10, 11, 12, 13, 14}}
+CHANGEABLE = {"crlf-tabs": {11, 12, 13, 14, 18, 19, 23, 24}, "bom-no-eol": {10, 11, 12, 13, 14}}
 
 
 @pytest.mark.parametrize("name,source", [("crlf-tabs", CRLF_TABS), ("bom-no-eol", BOM_NO_EOL)])
@@ -438,7 +438,7 @@ def test_formatting_survives_apply_and_revert(tmp_path, name, source):
     new = fi.read_bytes()
     text = new.decode("utf-8-sig" if name == "bom-no-eol" else "utf-8")
     compile(text, FI_MLA, "exec")
-    assert "_kvpatch_rt.kv_for_kernel(" in text and "**_kvpatch_rt.run_kwargs(" in text
+    assert "_kvpatch_rt.kv_for_mla_run(" in text and "_kvpatch_rt.mla_run(" in text
     old_lines = raw.decode("utf-8").splitlines(True)
     new_lines = new.decode("utf-8").splitlines(True)
     if name == "crlf-tabs":

@@ -114,7 +114,7 @@ def test_yes_no_mix_writes_only_the_accepted_and_records_the_declined(tree):
     assert "changes accepted: 2 of 4; declined: 2" in out
     # The FlashInfer MLA file is one question: both casts and the three plan calls.
     fi_block = out[out.index("[4/4]"):]
-    assert fi_block.count(" cast [KVP101]") == 2 and fi_block.count(" plan call [KVP102]") == 3
+    assert fi_block.count(" cast [KVP107]") == 2 and fi_block.count(" plan call [KVP102]") == 3
     after = tree_hashes(tree)
     assert after[MUSA] == before[MUSA]  # declined: its bytes are the original ones
     assert after[FA3] != before[FA3] and after[FI_MLA] != before[FI_MLA]

@@ -397,7 +397,7 @@ def test_apply_rewrites_compiles_and_commits(checkout, workbase):
     assert FI_MLA in c.changed and RUNTIME in c.changed, c.changed
     n_casts = len(fi_pool_casts(checkout))
     n_plans = len(mla_plan_calls(checkout / FI_MLA))
-    assert c.fi_text.count("_kvpatch_rt.kv_for_kernel(") == n_casts
+    assert c.fi_text.count("_kvpatch_rt.kv_for_mla_run(") == n_casts
     assert c.fi_text.count("**_kvpatch_rt.run_kwargs(") == n_casts
     assert c.fi_text.count("_kvpatch_rt.plan_kv_dtype(") == n_plans
     assert c.fi_text.count("from . import _kvpatch_runtime as _kvpatch_rt") == 1

@@ -54,7 +54,7 @@ def test_an_edit_next_to_a_patched_region_is_still_drift_and_nothing_is_written(
     f = example / FI_MLA
     assert run("apply", example).exit_code == 0
     lines = f.read_text().splitlines(keepends=True)
-    at = next(i for i, ln in enumerate(lines) if "_kvpatch_rt.kv_for_kernel(" in ln)
+    at = next(i for i, ln in enumerate(lines) if "_kvpatch_rt.kv_for_mla_run(" in ln)
     lines.insert(at, "        # a user comment right above the patched statement\n")
     f.write_text("".join(lines))
     before = f.read_bytes()

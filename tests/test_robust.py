@@ -67,7 +67,7 @@ def test_deep_nesting_is_unparseable_and_others_go_on(tmp_path, name, cmd):
         assert r.exit_code == plain.exit_code, (out, plain.output)
         assert out.count("deep_backend.py") == plain.output.count("deep_backend.py"), (out, plain.output)
     if cmd == "apply":  # the other file is still patched
-        assert "_kvpatch_rt.kv_for_kernel(" in fi.read_text()
+        assert "_kvpatch_rt.kv_for_mla_run(" in fi.read_text()
     elif cmd == "audit":  # the other file is still audited
         assert "flashinfer_mla_backend.py" in out
 
@@ -79,5 +79,5 @@ def test_cr_only_line_endings_kept(tmp_path):
     r = run("apply", root)
     assert r.exit_code == 0, r.output
     new = fi.read_bytes()
-    assert b"_kvpatch_rt.kv_for_kernel(" in new
+    assert b"_kvpatch_rt.kv_for_mla_run(" in new
     assert b"\n" not in new, "a rewritten line got LF endings in a CR-only file"

@@ -226,7 +226,7 @@ def test_a_link_planted_at_a_write_point_is_never_written_through(world, point, 
     assert snap(outside) == before_out, (point, r.output)
     assert not (tree / FI_MLA).is_symlink()
     if r.exit_code == 0:  # a link at a scratch name is removed (not followed) and the apply goes on
-        assert "_kvpatch_rt.kv_for_kernel(" in (tree / FI_MLA).read_text()
+        assert "_kvpatch_rt.kv_for_mla_run(" in (tree / FI_MLA).read_text()
         rv = run("revert", "--force", tree)
         assert "Traceback" not in rv.output
         assert snap(outside) == before_out

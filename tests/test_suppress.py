@@ -52,7 +52,7 @@ def test_bare_comment_suppresses_every_rule_and_another_rule_none(example):
 
 def test_comment_on_the_statement_line_then_apply_skips_it_and_status_is_patched(example):
     # The cast on a continuation line, the comment on the statement's first line.
-    _edit(example, FI_MLA, PREFILL_CAST, "k_buf = (  # kvpatch: ignore[KVP101]\n"
+    _edit(example, FI_MLA, PREFILL_CAST, "k_buf = (  # kvpatch: ignore[KVP107]\n"
           "                self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)\n            )")
     code, sites = _sites(example)
     by = {s["qualname"]: s for s in sites}
@@ -62,7 +62,7 @@ def test_comment_on_the_statement_line_then_apply_skips_it_and_status_is_patched
     assert run("apply", "--no-commit", example).exit_code == 0
     text = (example / FI_MLA).read_text()
     assert "get_key_buffer(layer.layer_id).to(q.dtype)\n            )" in text  # left as is
-    assert "_kvpatch_rt.kv_for_kernel(" in text  # the decode site was rewritten
+    assert "_kvpatch_rt.kv_for_mla_run(" in text  # the decode site was rewritten
     st = run("status", example)
     assert st.output.startswith("patched"), st.output  # the suppressed site is not "missing"
     _, after = _sites(example)

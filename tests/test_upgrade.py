@@ -354,11 +354,10 @@ def test_function_moved_to_another_file_is_followed(tmp_path):
 
 
 def test_rule_or_status_change_is_reported(tmp_path):
-    # The wrapper is now bound after the cast: KVP101 can no longer rewrite it.
-    late = FI_SRC.replace('''        decode_wrapper = self.forward_metadata.decode_wrapper
-        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
+    # The cast now also reaches a call that is not run(): no rule can rewrite it.
+    late = FI_SRC.replace('''        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
 ''', '''        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
-        decode_wrapper = self.forward_metadata.decode_wrapper
+        self.debug_dump(k_buffer)
 ''')
     old, new = pair(tmp_path, {FI: late})
     doc = upgrade_json(old, new)

@@ -218,12 +218,12 @@ def test_catches_wrong_rows(tmp_path, runtime_text):
     assert BACKEND in text
 
 
-def golden_with_site_unpatched(wrapper: str) -> str:
-    """The golden patched file with the kv_for_kernel site that feeds WRAPPER cast again (.to(q.dtype))."""
+def golden_with_site_unpatched(method: str) -> str:
+    """The golden patched file with the routed cast of METHOD cast whole again (.to(q.dtype))."""
     return _sub_first(
-        r"_kvpatch_rt\.kv_for_kernel\(\s*(self\.token_to_kv_pool\.get_key_buffer\("
-        r"layer\.layer_id\)),\s*" + wrapper + r",[^)]*\)", r"\1.to(q.dtype)",
-        GOLDEN.read_text())
+        r"_kvpatch_rt\.kv_for_mla_run\(\s*(self\.token_to_kv_pool\.get_key_buffer\("
+        r"layer\.layer_id\)),[^)]*\)", r"\1.to(q.dtype)",
+        GOLDEN.read_text(), within=f"def {method}(")
 
 
 def _sub_first(pattern, repl, text, within=None):
@@ -261,7 +261,7 @@ def test_catches_plan_dtype_mismatch(tmp_path):
 
 def test_catches_prefill_site_left_unpatched(tmp_path):
     # Outputs stay equal: only the full-pool cast detector can see this.
-    text = golden_with_site_unpatched("prefill_wrapper_paged")
+    text = golden_with_site_unpatched("forward_extend")
     r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",))
     assert not r.ok
     assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_extend"}
@@ -274,7 +274,7 @@ def test_catches_prefill_site_left_unpatched(tmp_path):
 
 
 def test_catches_decode_site_left_unpatched(tmp_path):
-    text = golden_with_site_unpatched("decode_wrapper")
+    text = golden_with_site_unpatched("forward_decode")
     r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",), graph=False)
     assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_decode"}
     assert all("full-pool cast not removed" in c.message for c in r.failures)

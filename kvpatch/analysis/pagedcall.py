@@ -21,7 +21,7 @@ import libcst as cst
 
 from kvpatch.analysis.dataflow import loads_in
 from kvpatch.analysis.stable import nested_scopes, stored_in
-from kvpatch.analysis.tensorops import PAGED_KEYWORDS
+from kvpatch.analysis.tensorops import PAGED_KEYWORDS, VIEW_FUNCTIONS
 
 CACHE_KEYWORDS = ("k_cache", "v_cache")  # flash_attn_with_kvcache's paged caches
 SEQLENS_KEYWORD = "cache_seqlens"
@@ -58,6 +58,14 @@ ROUTABLE_KERNELS: Dict[str, str] = {"flash_attn_with_kvcache": "qv"}
 # each keeps a view of the pool (no copy), so the runtime can recover the pool from the
 # two caches.
 ROUTABLE_VIEWS = ("view",)
+
+
+def routable_view(call: cst.Call) -> bool:
+    """`x.view(...)` or SGLang's `paged_view(x, page_size)` (an as_strided view): both keep
+    the pool's storage and row stride, from which the runtime finds the pool again."""
+    f = call.func
+    return (isinstance(f, cst.Attribute) and f.attr.value in ROUTABLE_VIEWS) or (
+        isinstance(f, cst.Name) and f.value in VIEW_FUNCTIONS)
 RAGGED_CACHES = ("key_cache", "value_cache")
 RAGGED_LAYOUT = ("kv_cache_layout", "NHD")  # the layout whose dim 1 is the block
 # Kernels that take the ragged page list with rank-3 caches, one slot per page: aiter's

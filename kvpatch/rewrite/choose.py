@@ -18,6 +18,7 @@ from typing import Callable, List, Optional, Sequence, Set
 
 from kvpatch.rewrite.codegen import IMPORT_LINE
 from kvpatch.engine import Decided, FileAnalysis
+from kvpatch.rule import partners
 from kvpatch.rewrite.transform import FileRewrite, RewriteError, plan_rewrite
 from kvpatch.sites import PlanCall
 
@@ -95,7 +96,7 @@ Asker = Callable[[List[Change]], Selection]
 def _linked(a: Decided, b: Decided) -> bool:
     if a.rule is None or b.rule is None:
         return False
-    links = lambda r: {getattr(r, "PAIRS_WITH", None), getattr(r, "NEEDS_ALL", None)}  # noqa: E731
+    links = lambda r: {*partners(r), getattr(r, "NEEDS_ALL", None)}  # noqa: E731
     return b.rule.ID in links(a.rule) or a.rule.ID in links(b.rule)
 
 

@@ -246,3 +246,26 @@ def cast_builder(cand, ctx, func: str, before: Sequence[str] = (),
         return parse_expr(text).with_changes(lpar=updated.lpar, rpar=updated.rpar)
 
     return build
+
+
+def route_call_builder(func: str) -> Callable[[cst.Call], cst.Call]:
+    """`kernel(args)` -> `func(kernel, args)` (a routed call: the runtime gets the kernel,
+    or a bound run(), first), the kernel on its own line where the arguments start on a
+    new line, else in front of them on the same line."""
+    alias, name = func.split(".")
+
+    def build(updated: cst.Call) -> cst.Call:
+        f = updated.func
+        if isinstance(f, cst.Attribute) and isinstance(f.value, cst.Name) and (f.value.value, f.attr.value) == (
+                alias, name):
+            return updated  # routed already: two casts (an if and its else) reach this one call
+        ws = updated.whitespace_before_args
+        if isinstance(ws, cst.ParenthesizedWhitespace):
+            after = ws.with_changes(first_line=cst.TrailingWhitespace(), empty_lines=[])
+        else:
+            after = cst.SimpleWhitespace(" ")
+        first = cst.Arg(value=updated.func, comma=cst.Comma(whitespace_after=after))
+        return updated.with_changes(func=cst.Attribute(value=cst.Name(alias), attr=cst.Name(name)),
+                                    args=[first, *updated.args])
+
+    return build

@@ -108,9 +108,11 @@ def _shadow(kv_buffer, dtype):
 
 
 # What a routed plan call left on its wrapper: the device count of indices the
-# next run() reads. One persistent tensor per wrapper, so a captured graph reads
-# what the plan before each replay wrote.
+# next run() reads, and (for the fused path, mla_run) a device copy of the plan's
+# kv_indptr with its request count. One persistent tensor each per wrapper, so a
+# captured graph reads what the plan before each replay wrote.
 _COUNT_ATTR = "_kvpatch_rows"
+_INDPTR_ATTR = "_kvpatch_indptr"  # (device indptr buffer, requests) or None
 
 
 def _capturing():
@@ -162,6 +164,7 @@ def plan_rows(wrapper, kv_indptr):
     except Exception as exc:
         try:
             wrapper.__dict__[_COUNT_ATTR] = None  # unknown: whole-pool cast
+            wrapper.__dict__[_INDPTR_ATTR] = None
         except Exception:
             pass
         _warn_once(
@@ -170,7 +173,49 @@ def plan_rows(wrapper, kv_indptr):
             type(wrapper).__name__,
             exc,
         )
+        return kv_indptr
+    _note_indptr(wrapper, kv_indptr, count.device)
     return kv_indptr
+
+
+def _note_indptr(wrapper, kv_indptr, device):
+    """Keep a device copy of the plan's kv_indptr on the wrapper, for the fused path.
+
+    A host indptr is staged through pinned memory, so the copy is asynchronous (torch's
+    pinned allocator keeps the block until the copy has run). The buffer is made once
+    and kept: a graph wrapper's (use_cuda_graph) is as large as the indptr buffer it was
+    made with, which no later plan of it exceeds; any other wrapper's grows, and is never
+    read under capture (mla_run). Anything unexpected leaves the fused path unplanned.
+    """
+    state = wrapper.__dict__
+    if device.type != "cuda":  # the fused path is CUDA-only
+        state[_INDPTR_ATTR] = None
+        return
+    try:
+        n = kv_indptr.numel()
+        held = state.get(_INDPTR_ATTR)
+        buf = held[0] if held else None
+        if buf is None or buf.numel() < n or buf.dtype != kv_indptr.dtype:
+            if _capturing() or (
+                buf is not None and getattr(wrapper, "_use_cuda_graph", False)
+            ):
+                raise RuntimeError("the indptr buffer of a graph wrapper cannot grow")
+            own = getattr(wrapper, "_kv_indptr_buf", None)
+            size = n
+            if getattr(wrapper, "_use_cuda_graph", False) and isinstance(
+                own, torch.Tensor
+            ):
+                size = max(n, own.numel())
+            buf = torch.zeros(size, dtype=kv_indptr.dtype, device=device)
+        if kv_indptr.device.type == "cpu":
+            src = kv_indptr if kv_indptr.is_pinned() else kv_indptr.pin_memory()
+            buf[:n].copy_(src, non_blocking=True)
+        else:
+            buf[:n].copy_(kv_indptr)
+        state[_INDPTR_ATTR] = (buf, n - 1)
+    except Exception:
+        # The fused path declines; gather and native are unaffected.
+        state[_INDPTR_ATTR] = None
 
 
 def kv_for_kernel(kv_buffer, wrapper, q_dtype, kv_indptr=None):

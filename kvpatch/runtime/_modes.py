@@ -17,9 +17,10 @@ import re
 
 import torch
 
+# 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "4"
+__kvpatch_runtime_version__ = "5"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "fused_mla",
     "kv_for_routed_kernel",
     "paged_attention",
+    "kv_for_mla_run",
+    "mla_run",
     "kv_rows_deferred",
     "kv_rows_at_kernel",
     "FUSED_TUNING",
@@ -253,3 +256,4 @@ from kvpatch.runtime._route import (
     paged_attention,
 )
 from kvpatch.runtime._sparse import kv_rows_at_kernel, kv_rows_deferred
+from kvpatch.runtime._mla_route import kv_for_mla_run, mla_run

@@ -28,7 +28,7 @@ from .fa3_reference import KERNEL_NAME
 from .fakes import DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, Mode
 from kvpatch.names import MODE_ENV, MODE_FUSED as FUSED, MODE_GATHER as GATHER, MODE_NATIVE
 
-from .judge import FUSED_REL_TOL, FullPoolGuard, _exc_text, compare, vector_rel_err
+from .judge import FUSED_REL_TOL, FullPoolGuard, _exc_text, compare, fused_counted, vector_rel_err
 from .report import FAILED, PASSED, SKIPPED, CaseResult
 from .side import ForwardBatch, Side, call_bound
 from .targets import qualname_map
@@ -362,17 +362,10 @@ def verify_fa3_target(t, sandbox, world, modes, graph, quick, report, log, find_
         log(f"{t.rel}: FA3 family ({t.cls}), {path} path, original from {t.original_from}, kernel {KERNEL_NAME}")
         gen = torch.Generator(device=world.device).manual_seed(1)
         v = FA3Verifier(t.rel, orig, pat, rt, world, report, gen, path)
-        real = getattr(rt, "fused_mla", None)
-        if real is not None:  # count the fused launches: a case says which path served it
-            def counted(*a, **k):
-                v.fused_calls[0] += 1
-                return real(*a, **k)
-            rt.fused_mla = counted
         try:
-            v.run(graph, quick)
+            with fused_counted(rt, v.fused_calls):
+                v.run(graph, quick)
         finally:
-            if real is not None:
-                rt.fused_mla = real
             rt.reset()
         if path == FUSED and not v.fused_calls[0]:  # its cases ran gathered, and say so (kv_path)
             report.unverified.append(f"{t.rel}: fused path not verified: no call took it (only calls routed "

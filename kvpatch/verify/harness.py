@@ -35,6 +35,7 @@ from kvpatch.names import MODE_AUTO, MODE_FUSED, MODE_GATHER, MODE_NATIVE, RUNTI
 
 from . import fakes, stubs
 from .reference import make_flashinfer_stub
+from .judge import fused_counted
 from .report import SKIPPED, CaseResult, VerifyReport
 from .fakes import DRAFT_EXTEND, TARGET_VERIFY
 from .side import DECODE_SITE, PREFILL_SITE, Side
@@ -195,6 +196,14 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
         return
     v = FileVerifier(t, orig, pat, rt, world, kernel, report)
     log(f"{t.rel}: original from {t.original_from}, kernel {kernel}")
+    with fused_counted(rt, v.fused_calls):
+        _run_modes(t, v, rt, world, shapes, modes, kernel, graph, report, log)
+    if MODE_FUSED in modes and world.device.type == "cuda" and kernel == "flashinfer" and not v.fused_calls[0]:
+        report.unverified.append(f"{t.rel}: fused path not verified: no call took it (only run() calls routed "
+                                 f"through the runtime, within the fused path's contract, do)")
+
+
+def _run_modes(t, v, rt, world, shapes, modes, kernel, graph, report, log):
     v.guard_selfcheck(world.batch([33, 7], 16, label="selfcheck"))
     for mode in modes:
         os.environ["KVPATCH_MODE"] = mode
@@ -259,7 +268,7 @@ def _verify_target(t: Target, sandbox, world, shapes, modes, kernel, fi, graph, 
         else:
             report.add_reason(f"{t.rel}: DCP not exercised: no decode plan went through the DCP planner")
     if world.v2p is not None:
-        n = min(orig.translator.translated, pat.translator.translated)
+        n = min(v.orig.translator.translated, v.pat.translator.translated)
         if n:
             report.notes.append(f"{t.rel}: unified memory: the kernels read translated pool rows "
                                 f"({n} ids translated per side)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from contextlib import contextmanager
 from typing import List
 
 import torch
@@ -63,6 +64,25 @@ def compare(out: torch.Tensor, ref: torch.Tensor):
 # compared with the original per output vector (one token, one head), as the runtime's
 # GPU tests do; bf16 rounding puts that error near 2e-3 to 4e-3 (notes/gpu-runs.md).
 FUSED_REL_TOL = 1.5e-2
+
+
+@contextmanager
+def fused_counted(rt, calls: list):
+    """The runtime's fused_mla wrapped, for the block, to count its launches into calls[0]:
+    a case then says which path served it (the routed call picks per call)."""
+    real = getattr(rt, "fused_mla", None)
+    if real is None:
+        yield
+        return
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+    rt.fused_mla = counted
+    try:
+        yield
+    finally:
+        rt.fused_mla = real
 
 
 def vector_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -145,13 +145,14 @@ class SpecCases:
             self.spec_eager_run(self.pat, kind, batch, EAGLE)       # warm-up: shadows
             self.rt.poison_shadows()
             guard = FullPoolGuard(W.pool_ptr(), W.store.numel(), self.pat)
+            before = self.fused_calls[0]
             with guard:
                 out, w, spec = self.spec_eager_run(self.pat, kind, batch, EAGLE)
                 out = out.clone()
         except Exception as exc:
             self.fail_exc(c, exc, w)
             return
-        self.judge(c, out, ref, w, guard.hits, mode)
+        self.judge(c, out, ref, w, guard.hits, mode, fused=self.fused_calls[0] > before)
         if not c.message:
             c.message = f"planned by {', '.join(spec.calls) or 'the extend path'}"
 
@@ -199,7 +200,7 @@ class SpecCases:
             except Exception as exc:
                 self.fail_exc(c, exc, w, what="replay")
                 continue
-            self.judge(c, out, ref, w, [], mode)
+            self.judge(c, out, ref, w, [], mode, fused=self.fused_in_capture)
             calls = fb.spec_info.calls
             if variant == DFLASH and FAST_PLAN_CALL not in calls and c.passed:
                 c.status = SKIPPED

@@ -195,22 +195,21 @@ class FlashInferMLAAttnBackend(AttentionBackend):
             # Already a compact, gathered buffer: not a pool-wide cast.
             k_buf = forward_batch.attn_dcp_metadata.dcp_kv_buffer.to(q.dtype)
         else:
-            k_buf = _kvpatch_rt.kv_for_kernel(
+            k_buf = _kvpatch_rt.kv_for_mla_run(
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                prefill_wrapper_paged,
                 q.dtype,
             )
         if q_rope is None:
             qall = q.view(-1, layer.tp_q_head_num, layer.head_dim)
             q, q_rope = qall[:, :, : layer.v_head_dim], qall[:, :, layer.v_head_dim :]
         o = q.new_empty(q.shape)
-        o = prefill_wrapper_paged.run(
+        o = _kvpatch_rt.mla_run(
+            prefill_wrapper_paged.run,
             q,
             q_rope,
             k_buf[:, :, : layer.v_head_dim],
             k_buf[:, :, layer.v_head_dim :],
             out=o,
-            **_kvpatch_rt.run_kwargs(prefill_wrapper_paged),
         )
         return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
@@ -242,20 +241,19 @@ class FlashInferMLAAttnBackend(AttentionBackend):
             q_rope = reshaped_q[:, :, layer.v_head_dim :]
 
         # The whole layer pool is cast here, every layer, every step.
-        k_buffer = _kvpatch_rt.kv_for_kernel(
+        k_buffer = _kvpatch_rt.kv_for_mla_run(
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            decode_wrapper,
             q.dtype,  # FP8 storage -> query dtype
         )
 
         o = q_nope.new_empty(q_nope.shape)
-        o = decode_wrapper.run(
+        o = _kvpatch_rt.mla_run(
+            decode_wrapper.run,
             q_nope,
             q_rope,
             k_buffer[:, :, : layer.v_head_dim],
             k_buffer[:, :, layer.v_head_dim :],
             out=o,
-            **_kvpatch_rt.run_kwargs(decode_wrapper),
         )
         return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
