@@ -51,7 +51,7 @@ def test_routed_run_casts_the_planned_rows_and_matches_the_full_cast(rt, how):
     want = full_cast_out(w, pool, q_nope, q_pe)
     kv = rt.kv_for_mla_run(pool, BF16)
     assert kv is pool  # no cast at the cast site: the routed run() decides
-    rt.kv_for_kernel(pool, w, BF16)  # creates the shadow, which is then poisoned
+    rt.mla_run(w.run, q_nope, q_pe, kv[:, :, :512], kv[:, :, 512:])  # makes the shadow, then poisoned
     rt.poison_shadows()
     if how == "positional":
         got = rt.mla_run(w.run, q_nope, q_pe, kv[:, :, :512], kv[:, :, 512:])
@@ -68,7 +68,7 @@ def test_sabotage_a_stale_row_count_fails_the_comparison(rt, monkeypatch):
     """The check above can fail: a gather one row short leaves a NaN row for run() to read."""
     pool, w, q_nope, q_pe = planned(rt)
     want = full_cast_out(w, pool, q_nope, q_pe)
-    rt.kv_for_kernel(pool, w, BF16)
+    rt.mla_run(w.run, q_nope, q_pe, pool[:, :, :512], pool[:, :, 512:])  # makes the shadow
     rt.poison_shadows()
     w.__dict__[rt._COUNT_ATTR].sub_(1)
     got = rt.mla_run(w.run, q_nope, q_pe, pool[:, :, :512], pool[:, :, 512:])
@@ -162,3 +162,14 @@ def test_a_failed_plan_forgets_the_indptr(rt):
     w.__dict__[rt._INDPTR_ATTR] = (torch.zeros(4, dtype=torch.int32), 3)
     rt.plan_rows(w, [0, 1])  # not a tensor: rows unknown
     assert w.__dict__[rt._COUNT_ATTR] is None and w.__dict__[rt._INDPTR_ATTR] is None
+
+
+def test_the_pool_is_recovered_from_three_dimensional_caches(rt):
+    """FlashInfer's caches are [pages, page_size, d]: the runtime finds the [slots, row]
+    pool from the two, at any page size, and refuses caches of two pools."""
+    for ps in (1, 16):
+        pool = torch.zeros((4096 // ps, ps, 576), dtype=FP8)
+        got = rt._pool_of(pool[:, :, 512:], pool[:, :, :512])
+        assert got is not None and got.shape == (4096, 576) and got.data_ptr() == pool.data_ptr()
+    other = torch.zeros((4096, 1, 576), dtype=FP8)
+    assert rt._pool_of(pool[:, :, 512:], other[:, :, :512]) is None

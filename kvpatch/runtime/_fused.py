@@ -27,13 +27,13 @@ from kvpatch.runtime._launch import _launch, _launch_ident
 FUSED_TUNING = {
     "small": {
         "block_m": 16,
-        "block_n": 32,
+        "block_n": 64,
         "num_warps": 4,
-        "num_stages": 3,
-        "maxnreg": 168,
+        "num_stages": 2,
         "ctas_per_sm": 2,
         "min_split": 128,
-        "f16": False,
+        "f16": True,
+        "pv_asm": True,
     },
     "large": {
         "block_m": 32,
@@ -42,9 +42,10 @@ FUSED_TUNING = {
         "num_stages": 2,
         "ctas_per_sm": 3,
         "min_split": 128,
-        "f16": False,
+        "f16": True,
+        "pv_asm": True,
     },
-}  # best of the H200 sweep, GPU run 15 (notes/gpu-runs.md); f16 dots are not measured on a GPU yet
+}  # best of the sweeps of GPU runs 16 and 18 (H100, notes/gpu-runs.md): f16 dots, PV by inline asm
 
 _fused_scratch = (
     {}

@@ -77,9 +77,7 @@ def mla_run(run, *args, **kw):
     wrapper = getattr(run, "__self__", None)
     if _planned_fp8(wrapper):
         return run(*args, **kw, **run_kwargs(wrapper))
-    pool = None
-    if ckv.dim() == 3 and kpe.dim() == 3:
-        pool = _pool_of(kpe.unsqueeze(1), ckv.unsqueeze(1))
+    pool = _pool_of(kpe, ckv) if ckv.dim() == 3 and kpe.dim() == 3 else None
     if pool is not None:
         fused = _mla_fused_inputs(wrapper, named, args, kw, pool)
         if fused is not None and _want_fused(pool.device, q.shape[1], 1):

@@ -151,9 +151,10 @@ _UNSEEN = object()
 
 
 def _pool_of(k, v):
-    """The [slots, row] pool that the views k (rope part) and v (latent part) were cut
-    from, or None: v must start a row, k follow it in the same row, both with the rows'
-    stride and the same page geometry. The verdict is kept per the views' addresses and
+    """The [slots, row] pool that the views k (rope part) and v (latent part), each
+    [pages, page_size, 1, d] or [pages, page_size, d], were cut from, or None: v must
+    start a row, k follow it in the same row, both with the rows' stride and the same
+    page geometry. The verdict is kept per the views' addresses and
     geometry (the same layer's views are new objects every call): two views at the same
     addresses with the same shapes and strides lie as the first two did, one storage."""
     key = (
@@ -168,7 +169,12 @@ def _pool_of(k, v):
     )
     geo = _pool_geometry.get(key, _UNSEEN)
     if geo is _UNSEEN:
-        geo = _pool_geometry_of(k, v)
+        # [pages, page_size, d] views (FlashInfer MLA's caches) are the 4-D layout's
+        # [pages, page_size, heads, d] with one head.
+        if k.dim() == 3 and v.dim() == 3:
+            geo = _pool_geometry_of(k.unsqueeze(2), v.unsqueeze(2))
+        else:
+            geo = _pool_geometry_of(k, v)
         if len(_pool_geometry) >= 4096:  # layers x pools: a bound, not a working set
             _pool_geometry.clear()
         _pool_geometry[key] = geo

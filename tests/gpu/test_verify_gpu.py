@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
                 "tests/test_verify_cpu.py)", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_verify_cpu import (GOLDEN, SHIFTED, SHORT, STALE, _sub_first, golden_with_site_unpatched,  # noqa: E402
-                             failures_text, make_checkout)
+from test_verify_cpu import (GOLDEN, RUNTIME, SHIFTED, SHORT, STALE, _sub_first,  # noqa: E402
+                             golden_with_site_unpatched, failures_text, make_checkout)
 
 from kvpatch.verify import run_verify  # noqa: E402
 
@@ -120,7 +120,7 @@ def test_catches_stale_indptr_under_graph(tmp_path):
 
 
 def test_catches_prefill_site_left_unpatched_on_gpu(tmp_path):
-    text = golden_with_site_unpatched("prefill_wrapper_paged")
+    text = golden_with_site_unpatched("forward_extend")
     r = verify(make_checkout(tmp_path, patched_text=text), modes=("gather",))
     assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_extend"}
     assert all("full-pool cast not removed" in c.message for c in r.failures)
@@ -141,7 +141,69 @@ def test_catches_plan_dtype_mismatch_on_gpu(tmp_path):
 def test_catches_missing_run_kwargs_in_native(tmp_path):
     if not SM90:
         pytest.skip("native FP8 MLA needs SM90")
-    text = GOLDEN.read_text().replace("**_kvpatch_rt.run_kwargs(decode_wrapper),", "")
-    r = verify(make_checkout(tmp_path, patched_text=text), modes=("native",))
+    # The routed run() of a wrapper planned FP8 must pass the scales (mla_run adds them).
+    src = RUNTIME.read_text()
+    assert src.count("return run(*args, **kw, **run_kwargs(wrapper))") == 1
+    text = src.replace("return run(*args, **kw, **run_kwargs(wrapper))", "return run(*args, **kw)")
+    r = verify(make_checkout(tmp_path, runtime_text=text), modes=("native",))
     assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_decode"}
     assert re.search(r"ckv_scale|kpe_scale", failures_text(r))
+
+
+# -- the fused path of a routed FlashInfer run() (KVP107, mla_run) ---------------------------
+needs_fused = pytest.mark.skipif(not SM90, reason="the fused path's auto table and tests are SM90")
+
+FUSED_SHIFTED = RUNTIME.read_text() + """
+
+_kvverify_mla_fused = _mla_fused
+
+
+def _mla_fused(named, kw, pool, indptr, indices, sm_scale):
+    # Sabotage: the fused attention reads the neighbouring slots.
+    return _kvverify_mla_fused(named, kw, pool, indptr, indices + 1, sm_scale)
+"""
+
+FUSED_STALE = RUNTIME.read_text() + """
+
+_kvverify_note_indptr = _note_indptr
+
+
+def _note_indptr(wrapper, kv_indptr, device):
+    # Sabotage: a graph wrapper's indptr copy is made at its first plan and never refreshed.
+    if getattr(wrapper, "_use_cuda_graph", False) and wrapper.__dict__.get(_INDPTR_ATTR):
+        return
+    return _kvverify_note_indptr(wrapper, kv_indptr, device)
+"""
+
+
+@needs_fi
+@needs_fused
+def test_fused_route_passes_and_says_it_served(tmp_path):
+    r = verify(make_checkout(tmp_path), modes=("fused",))
+    assert r.ok, r.format()
+    fused = [c for c in r.cases if c.kv_path == "fused"]
+    assert {(c.path, c.exec) for c in fused} == {("decode", "eager"), ("decode", "graph")}
+    assert all(c.passed and "fused path served" in c.message for c in fused)
+    assert {c.kv_path for c in r.cases if c.path == "prefill" and c.status != "skipped"} == {"gather"}
+
+
+@needs_fi
+@needs_fused
+def test_catches_fused_wrong_rows(tmp_path):
+    r = verify(make_checkout(tmp_path, runtime_text=FUSED_SHIFTED), modes=("fused",))
+    assert not r.ok
+    assert {c.qualname for c in r.failures} == {"FlashInferMLAAttnBackend.forward_decode"}
+    assert {c.exec for c in r.failures} == {"eager", "graph"}
+    assert "fused output off the original" in failures_text(r)
+
+
+@needs_fi
+@needs_fused
+def test_catches_fused_stale_indptr_under_graph(tmp_path):
+    r = verify(make_checkout(tmp_path, runtime_text=FUSED_STALE), modes=("fused",))
+    eager = [c for c in r.cases if c.exec == "eager" and c.status != "skipped"]
+    assert eager and all(c.passed for c in eager)
+    # The capture's rows, read again: wrong for any replay of other lengths.
+    assert r.failures and all(c.exec == "graph" for c in r.failures)
+    assert any("replay longer" in c.batch for c in r.failures)
+    assert "fused output off the original" in failures_text(r)
