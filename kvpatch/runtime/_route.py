@@ -34,7 +34,7 @@ from kvpatch.runtime._fused import fused_mla
 
 # auto: the most query rows a request may hold (heads x query tokens) for the fused path,
 # per compute capability, where benchmarks/bench_fused.py measured fused faster than the
-# gathered cast plus the bf16 kernel at every shape it prints (notes/gpu-runs.md, run 15).
+# gathered cast plus the bf16 kernel at every shape it prints (notes/gpu-runs.md, runs 15, 18, 19).
 # A GPU not listed is not measured: auto gathers there.
 FUSED_AUTO_ROWS = {(9, 0): 16}
 
