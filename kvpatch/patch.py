@@ -214,7 +214,7 @@ class ApplyResult:
 def _site_records(rw: FileRewrite) -> List[SiteRecord]:
     """Each rewritten site and plan call, where the rewrite put it."""
     return [SiteRecord(d.record.qualname, d.record.rule or "", "plan" if isinstance(d.record, PlanCall) else "cast",
-                       d.line, d.record.statement, d.statement) for d in rw.done]
+                       d.line, d.record.statement, d.statement, list(d.also)) for d in rw.done]
 
 
 def commit_message(patch: Patch) -> str:

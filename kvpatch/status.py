@@ -121,9 +121,12 @@ def _verdict(root: Path, st, scan) -> Status:
         # edit elsewhere in the file is not drift.
         text = _unindented(cur.decode("utf-8", errors="replace"))
         for s in f.sites:
-            if s.rewritten and _unindented(s.rewritten) not in text:
-                drift.append(Place(f.path, f"{s.qualname}: the rewritten {s.kind} was edited "
-                                           f"(expected `{s.rewritten.splitlines()[0].strip()}`)", s.line))
+            for stmt in ([s.rewritten] if s.rewritten else []) + list(s.also):
+                if _unindented(stmt) not in text:
+                    what = f"the rewritten {s.kind}" if stmt is s.rewritten else "a call its rewrite routed"
+                    drift.append(Place(f.path, f"{s.qualname}: {what} was edited "
+                                               f"(expected `{stmt.splitlines()[0].strip()}`)", s.line))
+                    break
     for r in st.runtime_files:
         p = root / r.path
         if not p.exists():

@@ -188,3 +188,21 @@ def test_an_edit_outside_the_patched_regions_is_not_drift(example):
     p.write_text(p.read_text().replace("_kvpatch_rt.kv_for_mla_run(", "_kvpatch_rt.kv_for_mla_run_x(", 1))
     st = run("status", "--json", example)
     assert st.exit_code == 3 and json.loads(st.stdout)["state"] == "drifted", st.output
+
+
+def test_an_edited_routed_call_is_drift(example):
+    """The routed run() is part of the rewrite: put back to the wrapper's own run() by hand,
+    it would hand the FP8 pool to a kernel planned for bf16. status says drifted, naming it."""
+    assert run("apply", example).exit_code == 0
+    p = example / FI_MLA
+    text = p.read_text()
+    routed = "        o = _kvpatch_rt.mla_run(\n            decode_wrapper.run,\n"
+    assert text.count(routed) == 1
+    p.write_text(text.replace(routed, "        o = decode_wrapper.run(\n", 1))
+    st = run("status", example)
+    assert st.exit_code == 3 and st.output.startswith("drifted"), st.output
+    assert "FlashInferMLAAttnBackend.forward_decode: a call its rewrite routed was edited" in st.output
+    state = json.loads((example / ".kvpatch/state.json").read_text())
+    sites = [s for f in state["files"] for s in f["sites"]]
+    # Only a site whose rewrite changed another statement records it.
+    assert all(("also" in s) == (s["rule"] in ("KVP106", "KVP107")) for s in sites), sites

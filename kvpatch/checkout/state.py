@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -42,6 +42,9 @@ class SiteRecord:
     line: int  # in the patched file
     original: str  # the statement before
     rewritten: str  # the statement after
+    # Other statements the rewrite changed for this site (a routed kernel call), as
+    # after; written only when there are some, so other records read as before.
+    also: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -107,13 +110,19 @@ class State:
         d = asdict(self)
         if not self.declined:  # the record of a plain apply stays as before
             del d["declined"]
+        for f in d["files"]:
+            for site in f["sites"]:
+                if not site["also"]:
+                    del site["also"]
         return json.dumps(d, indent=2, sort_keys=False) + "\n"
 
     @classmethod
     def from_dict(cls, d: Dict) -> "State":
         if d.get("schema") != SCHEMA:
             raise ValueError(f"unknown state schema {d.get('schema')!r} (expected {SCHEMA})")
-        files = [FileRecord(**{**f, "sites": [SiteRecord(**s) for s in f.get("sites", [])]}) for f in d["files"]]
+        known = {f.name for f in fields(SiteRecord)}  # a later kvpatch's extra keys are not ours to read
+        files = [FileRecord(**{**f, "sites": [SiteRecord(**{k: v for k, v in s.items() if k in known})
+                                              for s in f.get("sites", [])]}) for f in d["files"]]
         rts = [RuntimeRecord(**r) for r in d.get("runtime_files", [])]
         declined = [DeclinedRecord(**x) for x in d.get("declined", [])]
         # "branch": always null, written by earlier kvpatch and never read: skipped.

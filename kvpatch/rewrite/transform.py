@@ -36,6 +36,8 @@ class Rewritten:
     record: Union[Site, PlanCall]
     line: int
     statement: str
+    # The other statements its decision changed (a routed kernel call), as they now read.
+    also: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -111,6 +113,23 @@ def _assigned_self_attrs(body) -> set:
     return out
 
 
+def _other_statements(d, pu) -> List[cst.CSTNode]:
+    """The statement lines of a decision's edits other than its own site's statement,
+    once each, in edit order: status checks them too (a routed call edited by hand is
+    drift as much as its cast)."""
+    parents = pu.parents()
+    out: List[cst.CSTNode] = []
+    for e in d.decision.edits:
+        if not isinstance(e, ReplaceNode) or e.node is d.node:
+            continue
+        cur = e.node
+        while cur is not None and not isinstance(cur, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            cur = parents.get(cur)
+        if cur is not None and cur is not d.statement and all(cur is not o for o in out):
+            out.append(cur)
+    return out
+
+
 def _walk(node):
     stack = [node]
     while stack:
@@ -163,7 +182,8 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule], keep: Optional[Sequenc
     for q in set(by_unit) | set(inserts):
         pu = fa.units[q]
         mine = [d for d in done if d.record.qualname == q]
-        follow = {n for d in mine for n in (d.node, d.statement) if n is not None}
+        others = {id(d): _other_statements(d, pu) for d in mine}
+        follow = {n for d in mine for n in (d.node, d.statement, *others[id(d)]) if n is not None}
         apply = _Apply(by_unit.get(q, {}), inserts.get(q, []), pu.func, nl, follow)
         try:
             new_module = pu.module.visit(apply)
@@ -174,11 +194,12 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule], keep: Optional[Sequenc
             node, stmt = apply.became.get(d.node), apply.became.get(d.statement)
             at = where.get(node) or where.get(stmt)
             if at is None and stmt is not None and d.rule is not None and d.rule.REMOVES:
-                found[id(d)] = (q, removed_line(pu, d.statement), "")  # deleted: no statement to keep
+                found[id(d)] = (q, removed_line(pu, d.statement), "", [])  # deleted: no statement to keep
                 continue
             if at is None or stmt is None:
                 raise RewriteError(f"{fa.rel}: the rewrite of {q} lost the statement at line {d.record.line}")
-            found[id(d)] = (q, at.start.line, new_module.code_for_node(stmt).strip())
+            also = [new_module.code_for_node(apply.became[n]).strip() for n in others[id(d)] if n in apply.became]
+            found[id(d)] = (q, at.start.line, new_module.code_for_node(stmt).strip(), also)
         changes.append((pu.unit.start, pu.unit.end, pu.render(new_module)))
     if needs_runtime and not fa.has_runtime_import:
         at = fa.import_after_line or fa.first_stmt_docstring_end
@@ -195,9 +216,9 @@ def plan_rewrite(fa: FileAnalysis, rules: Sequence[Rule], keep: Optional[Sequenc
 
     rewritten = []
     for d in done:
-        q, rel_line, statement = found[id(d)]
+        q, rel_line, statement, also = found[id(d)]
         pu = fa.units[q]
-        rewritten.append(Rewritten(d.record, pu.file_line(rel_line, moved(pu.unit.start)), statement))
+        rewritten.append(Rewritten(d.record, pu.file_line(rel_line, moved(pu.unit.start)), statement, also))
     return FileRewrite(fa.rel, fa.text, new_text, encode(new_text, fa.encoding, fa.bom), needs_runtime, rewritten)
 
 
