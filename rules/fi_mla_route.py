@@ -93,7 +93,9 @@ class FlashInferMlaRoute(Rule):
     PRIORITY = 5  # before KVP101: a site both can rewrite is routed
     EMITS = ("kv_for_mla_run", "mla_run")  # the cast; the run() call
     NEEDS_ALL = "KVP102"  # every plan call tells the runtime its rows and indptr
-    CHECKED_ON = ("sglang 4ad990ba7 (2026-08-06)", "sglang 0.5.16", "sglang 0.5.23")
+    CHECKED_ON = ("sglang 3cc3d9b95 (2025-08-21)", "sglang 9d61205da (2025-10-22)", "sglang 83a18e687 (2026-05-23)",
+                  "sglang 0203c60fd (2026-07-03)", "sglang 4ad990ba7 (2026-08-06)", "sglang 64d58454e (2026-08-07)",
+                  "sglang 0.5.16", "sglang 0.5.20", "sglang 0.5.23")
 
     VALID = (
         Valid(
