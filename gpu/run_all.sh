@@ -30,6 +30,7 @@ for s in $steps; do
     fused_sweep) python3 benchmarks/bench_fused.py --only-sweep --json "$OUT/sweep_fused.json" 2>&1 | tee "$OUT/sweep_fused.log" ;;
     fused) python3 benchmarks/bench_fused.py --sweep --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     fused_table) python3 benchmarks/bench_fused.py --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
+    step_sweep) python3 gpu/sweep_step.py --json "$OUT/sweep_step.json" 2>&1 | tee "$OUT/sweep_step.log" ;;
     profile) for c in '{}' '{"f16": false}'; do
                ncu --clock-control none -k regex:_fused_split --launch-skip 3 --launch-count 1 \
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
