@@ -251,6 +251,11 @@ def preflight(root: Path, allow_dirty: bool = False):
     info = repo.git_info(root)
     if info is not None and not allow_dirty:
         dirty = [p for p in repo.dirty_paths(info, root) if not p.startswith(STATE_DIR)]
+        # A file git could not read is listed as changed (seen under load, when its index
+        # entry must be re-hashed): say what is wrong with it, as the scan would.
+        blocked = envfail.unreadable_paths(info.workdir, dirty)
+        if blocked:
+            raise PatchError(blocked)
         if dirty:
             raise PatchError(f"the git tree has uncommitted changes ({', '.join(dirty[:3])}"
                              f"{'...' if len(dirty) > 3 else ''}): commit or stash them, or pass --allow-dirty")

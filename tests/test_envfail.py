@@ -266,6 +266,21 @@ def test_apply_refuses_the_whole_apply_when_a_file_cannot_be_read(tmp_path):
     assert tree_hashes(repo) == before and refs(repo) == head  # FI_MLA not rewritten either
 
 
+def test_a_file_git_lists_as_changed_but_cannot_be_read_is_named_as_unreadable(tmp_path):
+    """git lists a file it cannot read as changed (edited, or only its index entry to be
+    re-hashed, which load makes more likely): the refusal names what is wrong with it."""
+    repo = repo_at(tmp_path / "sglang")
+    p = repo / FA3
+    p.write_text(p.read_text() + "# edited\n")
+    unreadable(p)
+    try:
+        line = one_error(kvpatch("apply", repo, drop_dac=True))
+    finally:
+        p.chmod(0o644)
+    assert FA3 in line and "cannot read" in line and "nothing was written" in line, line
+    assert "uncommitted changes" not in line
+
+
 def test_a_checkout_whose_dot_git_cannot_be_read_is_refused(tmp_path):
     repo = repo_at(tmp_path / "sglang")
     before = tree_hashes(repo)

@@ -114,6 +114,21 @@ def unreadable(errors) -> List:
     return [e for e in errors if e.message.startswith(CANNOT_READ)]
 
 
+def unreadable_paths(top: Path, rels) -> Optional[str]:
+    """refuse_unreadable's line for the first of rels (relative to top) that cannot be
+    opened for reading, or None."""
+    for rel in rels:
+        try:
+            with open(top / rel, "rb"):
+                pass
+        except FileNotFoundError:
+            continue  # deleted: an uncommitted change like any other
+        except OSError as exc:
+            return (f"{rel}: {CANNOT_READ}: {exc.strerror or exc}: apply must read every file it may rewrite; "
+                    f"refusing to apply, nothing was written")
+    return None
+
+
 def refuse_unreadable(errors) -> Optional[str]:
     """apply must see every file it may rewrite: one it cannot read refuses the whole apply."""
     bad = unreadable(errors)
