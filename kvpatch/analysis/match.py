@@ -121,12 +121,7 @@ class UnitContext:
 
     def line_statement(self, node: cst.CSTNode) -> cst.CSTNode:
         """The statement *line* (SimpleStatementLine or compound) holding node."""
-        st = self.statement_of(node)
-        if isinstance(st, cst.BaseSmallStatement):
-            par = self.parents.get(st)
-            if isinstance(par, cst.SimpleStatementLine):
-                return par
-        return st
+        return line_statement_in(self.parents, node)
 
     def in_nested_scope(self, node: cst.CSTNode) -> Optional[str]:
         cur = self.parents.get(node)
@@ -331,6 +326,18 @@ def consumer_names(consumers: List[Consumer], ctx: UnitContext) -> str:
         if d not in seen:
             seen.append(d)
     return ", ".join(seen) if seen else "nothing"
+
+
+def line_statement_in(parents: Dict[cst.CSTNode, cst.CSTNode], node: cst.CSTNode) -> Optional[cst.CSTNode]:
+    """The statement *line* (SimpleStatementLine or compound) holding node, by a parent map."""
+    cur = node
+    while cur is not None and not isinstance(cur, (cst.BaseSmallStatement, cst.BaseCompoundStatement)):
+        cur = parents.get(cur)
+    if isinstance(cur, cst.BaseSmallStatement):
+        par = parents.get(cur)
+        if isinstance(par, cst.SimpleStatementLine):
+            return par
+    return cur
 
 
 def is_mla_run(c: Consumer) -> bool:

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import libcst as cst
 
+from kvpatch.analysis.match import line_statement_in
 from kvpatch.rewrite.codegen import IMPORT_LINE
 from kvpatch.engine import FileAnalysis, analyze_source
 from kvpatch.rewrite.removal import removed_line
@@ -122,9 +123,7 @@ def _other_statements(d, pu) -> List[cst.CSTNode]:
     for e in d.decision.edits:
         if not isinstance(e, ReplaceNode) or e.node is d.node:
             continue
-        cur = e.node
-        while cur is not None and not isinstance(cur, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
-            cur = parents.get(cur)
+        cur = line_statement_in(parents, e.node)
         if cur is not None and cur is not d.statement and all(cur is not o for o in out):
             out.append(cur)
     return out

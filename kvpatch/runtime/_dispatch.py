@@ -196,16 +196,11 @@ def _note_indptr(wrapper, kv_indptr, device):
         held = state.get(_INDPTR_ATTR)
         buf = held[0] if held else None
         if buf is None or buf.numel() < n or buf.dtype != kv_indptr.dtype:
-            if _capturing() or (
-                buf is not None and getattr(wrapper, "_use_cuda_graph", False)
-            ):
+            graph = getattr(wrapper, "_use_cuda_graph", False)
+            if _capturing() or (buf is not None and graph):
                 raise RuntimeError("the indptr buffer of a graph wrapper cannot grow")
             own = getattr(wrapper, "_kv_indptr_buf", None)
-            size = n
-            if getattr(wrapper, "_use_cuda_graph", False) and isinstance(
-                own, torch.Tensor
-            ):
-                size = max(n, own.numel())
+            size = max(n, own.numel()) if graph and isinstance(own, torch.Tensor) else n
             buf = torch.zeros(size, dtype=kv_indptr.dtype, device=device)
         if kv_indptr.device.type == "cpu":
             src = kv_indptr if kv_indptr.is_pinned() else kv_indptr.pin_memory()

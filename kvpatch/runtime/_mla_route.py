@@ -19,7 +19,13 @@ from kvpatch.runtime._dispatch import (
     run_kwargs,
 )
 from kvpatch.runtime._fused import fused_mla
-from kvpatch.runtime._route import _fused_failed, _pool_of, _want_fused
+from kvpatch.runtime._route import (
+    _fused_or_not,
+    _NOT_SERVED,
+    _pool_of,
+    _shadow_view,
+    _want_fused,
+)
 
 # -- joined from here --
 
@@ -71,9 +77,8 @@ def mla_run(run, *args, **kw):
     if not all(isinstance(t, torch.Tensor) for t in (q, ckv, kpe)):
         return run(*args, **kw)
     if ckv.dtype == q.dtype and kpe.dtype == q.dtype:
-        return run(
-            *args, **kw
-        )  # cast already (KVPATCH_MODE=off), a bf16 pool, DCP's buffer
+        # Cast already (KVPATCH_MODE=off), a bf16 pool, or the DCP branch's own buffer.
+        return run(*args, **kw)
     wrapper = getattr(run, "__self__", None)
     if _planned_fp8(wrapper):
         return run(*args, **kw, **run_kwargs(wrapper))
@@ -81,21 +86,14 @@ def mla_run(run, *args, **kw):
     if pool is not None:
         fused = _mla_fused_inputs(wrapper, named, args, kw, pool)
         if fused is not None and _want_fused(pool.device, q.shape[1], 1):
-            try:
-                return _mla_fused(named, kw, pool, *fused)
-            except (
-                Exception
-            ) as exc:  # a compile or launch failure: gathered from now on
-                _fused_failed.add((pool.device, q.shape[1], 1))
-                _warn_once(
-                    ("fused", type(exc).__name__),
-                    "kvpatch: fused attention failed (%s); gathering",
-                    exc,
-                )
+            out = _fused_or_not(
+                (pool.device, q.shape[1], 1), _mla_fused, named, kw, pool, *fused
+            )
+            if out is not _NOT_SERVED:
+                return out
         shadow = kv_for_kernel(pool, wrapper, q.dtype)
-        base = pool.storage_offset()
-        ckv2 = shadow.as_strided(ckv.shape, ckv.stride(), ckv.storage_offset() - base)
-        kpe2 = shadow.as_strided(kpe.shape, kpe.stride(), kpe.storage_offset() - base)
+        ckv2 = _shadow_view(shadow, pool, ckv)
+        kpe2 = _shadow_view(shadow, pool, kpe)
     else:
         _warn_once(
             ("mla-whole",),

@@ -111,18 +111,37 @@ def paged_attention(kernel, *args, **kw):
     pool = _pool_of(k, v)
     shape = _fused_shape(kw, pool)
     if shape is not None and _want_fused(pool.device, *shape[:2]):
-        try:
-            return _fused_fa3(kw, pool, *shape)
-        except (
-            Exception
-        ) as exc:  # a compile or launch failure: the gathered path from now on
-            _fused_failed.add((pool.device, shape[0], shape[1]))
-            _warn_once(
-                ("fused", type(exc).__name__),
-                "kvpatch: fused attention failed (%s); gathering",
-                exc,
-            )
+        out = _fused_or_not(
+            (pool.device, shape[0], shape[1]), _fused_fa3, kw, pool, *shape
+        )
+        if out is not _NOT_SERVED:
+            return out
     return kernel(**_gathered(kw, pool))
+
+
+_NOT_SERVED = object()
+
+
+def _fused_or_not(key, fused, *args):
+    """fused(*args), or _NOT_SERVED when it raised (a compile or launch failure): calls of
+    key, (device, heads, query tokens), take the gathered path from then on."""
+    try:
+        return fused(*args)
+    except Exception as exc:
+        _fused_failed.add(key)
+        _warn_once(
+            ("fused", type(exc).__name__),
+            "kvpatch: fused attention failed (%s); gathering",
+            exc,
+        )
+        return _NOT_SERVED
+
+
+def _shadow_view(shadow, pool, t):
+    """The view of shadow that t (a view of pool) is of pool."""
+    return shadow.as_strided(
+        t.shape, t.stride(), t.storage_offset() - pool.storage_offset()
+    )
 
 
 def _cast_whole(t, dtype):
@@ -318,8 +337,7 @@ def _gathered(kw, pool):
     page_cast(
         pool, shadow, pt, sl if isinstance(sl, torch.Tensor) else None, v.shape[1]
     )
-    base = pool.storage_offset()
     out = dict(kw)
     for name, t in (("k_cache", k), ("v_cache", v)):
-        out[name] = shadow.as_strided(t.shape, t.stride(), t.storage_offset() - base)
+        out[name] = _shadow_view(shadow, pool, t)
     return out

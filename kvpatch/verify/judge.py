@@ -85,6 +85,20 @@ def fused_counted(rt, calls: list):
         rt.fused_mla = real
 
 
+FUSED_TOLERANCE = f"worst output vector |out - ref| / |ref| < {FUSED_REL_TOL} (fused FP8 path)"
+
+
+def judge_fused(out: torch.Tensor, ref: torch.Tensor):
+    """(problem or "", message) for an output the fused path served: the FP8 rows read in
+    place (bf16 dots, not the original's bf16 copy), so within FUSED_REL_TOL per vector."""
+    err = vector_rel_err(out, ref)
+    finite = bool(torch.isfinite(out).all())
+    if finite and err < FUSED_REL_TOL:
+        return "", f"fused path served; worst output vector error {err:.2e}"
+    return (f"fused output off the original: worst output vector error {err:.3g} (tolerance {FUSED_REL_TOL})"
+            + ("" if finite else "; NaN/inf in the output")), ""
+
+
 def vector_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """The worst output vector's |out - ref| / |ref| (last dim: one head's values)."""
     if out.shape != ref.shape:
