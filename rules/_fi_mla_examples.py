@@ -8,7 +8,7 @@ from kvpatch.rewrite.codegen import IMPORT_LINE
 HEADER = "from flashinfer import BatchMLAPagedAttentionWrapper\n"
 RT = "\n" + IMPORT_LINE + "\n"  # what apply adds after the imports
 # KVP102 retargets plans only next to a cast that KVP101 or KVP107 rewrites
-# (PAIRS_WITH): the site, and KVP101's rewrite of it.
+# (PAIRS_WITH): the site, and (below) KVP107's rewrite of it.
 BACKEND = """
 class FlashInferMLAAttnBackend:
     def forward_decode(self, q, q_rope, layer, forward_batch):
@@ -16,19 +16,7 @@ class FlashInferMLAAttnBackend:
         k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)
         return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:])
 """
-BACKEND_PATCHED = """
-class FlashInferMLAAttnBackend:
-    def forward_decode(self, q, q_rope, layer, forward_batch):
-        decode_wrapper = self.forward_metadata.decode_wrapper
-        k_buffer = _kvpatch_rt.kv_for_kernel(
-            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-            decode_wrapper,
-            q.dtype,
-        )
-        return decode_wrapper.run(q, q_rope, k_buffer[:, :, :512], k_buffer[:, :, 512:], **_kvpatch_rt.run_kwargs(decode_wrapper))
-"""
-# KVP107's rewrite of the same site, what apply writes with every rule loaded (KVP102
-# pairs with either).
+# What apply writes with every rule loaded: KVP107 routes the site.
 BACKEND_ROUTED = """
 class FlashInferMLAAttnBackend:
     def forward_decode(self, q, q_rope, layer, forward_batch):
