@@ -281,6 +281,18 @@ def test_a_file_git_lists_as_changed_but_cannot_be_read_is_named_as_unreadable(t
     assert "uncommitted changes" not in line
 
 
+def test_a_changed_file_made_a_link_to_a_fifo_outside_is_never_opened(tmp_path):
+    """The unreadable-file check opens nothing through a link and never blocks: a tracked
+    file replaced by a link to a FIFO outside the checkout is an uncommitted change."""
+    repo = repo_at(tmp_path / "sglang")
+    fifo = tmp_path / "outside.fifo"
+    os.mkfifo(fifo)
+    (repo / FA3).unlink()
+    (repo / FA3).symlink_to(fifo)
+    line = one_error(kvpatch("apply", repo))
+    assert "uncommitted changes" in line and FA3 in line, line
+
+
 def test_a_checkout_whose_dot_git_cannot_be_read_is_refused(tmp_path):
     repo = repo_at(tmp_path / "sglang")
     before = tree_hashes(repo)

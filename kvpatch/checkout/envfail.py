@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from kvpatch.checkout.git import GitError, GitUnreadable
+from kvpatch.checkout.safepath import open_denied
 from kvpatch.names import CANNOT_READ
 
 # The errors a machine, not kvpatch, causes.
@@ -118,12 +119,9 @@ def unreadable_paths(top: Path, rels) -> Optional[str]:
     """refuse_unreadable's line for the first of rels (relative to top) that cannot be
     opened for reading, or None."""
     for rel in rels:
-        try:
-            with open(top / rel, "rb"):
-                pass
-        except FileNotFoundError:
-            continue  # deleted: an uncommitted change like any other
-        except OSError as exc:
+        # A deleted file, a link, a FIFO: an uncommitted change like any other, not opened.
+        exc = open_denied(top / rel)
+        if exc is not None:
             return (f"{rel}: {CANNOT_READ}: {exc.strerror or exc}: apply must read every file it may rewrite; "
                     f"refusing to apply, nothing was written")
     return None

@@ -70,6 +70,18 @@ def is_link(path: Path) -> bool:
         return False
 
 
+def open_denied(path: Path) -> Optional[OSError]:
+    """The permission error opening path for reading raises, or None (it opens, or fails
+    otherwise): never through a link, never blocking on a FIFO, nothing read."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC))
+    except PermissionError as exc:
+        return exc
+    except OSError:
+        return None
+    return None
+
+
 def read_regular(path: Path) -> bytes:
     """The bytes of a regular file, never through a link, never blocking on a FIFO."""
     fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
