@@ -30,11 +30,13 @@ for s in $steps; do
     fused_sweep) python3 benchmarks/bench_fused.py --only-sweep --json "$OUT/sweep_fused.json" 2>&1 | tee "$OUT/sweep_fused.log" ;;
     fused) python3 benchmarks/bench_fused.py --sweep --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     fused_table) python3 benchmarks/bench_fused.py --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
+    probe) python3 gpu/overhead_probe.py --json "$OUT/overhead_probe.json" 2>&1 | tee "$OUT/overhead_probe.log" ;;
+    splits) python3 gpu/split_count_probe.py 2>&1 | tee "$OUT/split_count.log" ;;
     step_sweep) python3 gpu/sweep_step.py --json "$OUT/sweep_step.json" 2>&1 | tee "$OUT/sweep_step.log" ;;
-    profile) for c in '{}' '{"f16": false}'; do
+    profile) for c in '{}'; do
                ncu --clock-control none -k regex:_fused_split --launch-skip 3 --launch-count 1 \
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-                 --section WarpStateStats --section LaunchStats --section SchedulerStats \
+                 --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
                  python3 gpu/profile_fused.py "$c" 2>&1 | tee -a "$OUT/profile_fused.log"; done ;;
     host) python3 gpu/host_profile.py 2>&1 | tee "$OUT/host_profile.log" ;;
     attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
