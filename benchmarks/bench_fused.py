@@ -7,8 +7,8 @@ FP8 pool of 495,552 slots (1,048,576 for 64 x 8k), rows scattered over the pool:
           the kernel a user of bf16 KV runs; every ratio below is against it.
   gather  today's patched path: the runtime's page-gathered cast + the same bf16 kernel.
   fused   the runtime's fused_mla: the FP8 rows read in place through kv_indices.
-  (auto, KVPATCH_MODE=auto's pick per shape, is not measured yet: no dispatch routes a
-  kernel call to the fused path so far.)
+  auto    the path KVPATCH_MODE=auto picks for the shape on this GPU (FUSED_AUTO_ROWS),
+          timed as that path in the same run.
   floor   the FP8 bytes the kernel must read (rows x 576 B) at the copy rate measured
           in the same run (a 1 GiB device-to-device copy, read + write).
 
@@ -150,16 +150,14 @@ def sweep(rt, fz, ws, pools, bw, gen):
     # f16: f16 dots (q scaled by a power of two) against bf16 dots, one instruction fewer per FP8 value.
     # pv_asm: V converted to 16 bits before its transposed read (ldmatrix.trans), not read
     # back from shared memory a byte at a time (the PTX: 128 ld.shared.b8 a thread a step).
-    # v_early: V's FP8 bytes loaded before the QK dots; 2: from QK's own load (one read a
-    # row, 46 KB shared instead of 62 KB at block_n 32 by tools/fused_aot.py).
-    small = [(64, 4, 2, None, 0), (32, 4, 3, 168, 0), (32, 4, 3, 168, 1), (32, 4, 3, 168, 2),
-             (64, 4, 2, None, 2), (32, 8, 3, None, 2), (32, 8, 2, None, 2), (16, 4, 3, None, 2)]
-    large = [(32, 32, 4, 2, None, 0), (32, 32, 4, 2, None, 2), (16, 32, 4, 3, 168, 2), (32, 16, 4, 3, None, 2),
-             (32, 32, 8, 2, None, 2)]
+    # v_early (V's bytes loaded before the QK dots) lost every sweep it was in (runs 18, 19): off.
+    # qk_acc 2: two independent QK accumulators (a dependent chain of 16 MMAs a step, not 32).
+    small = [(64, 4, 2, None, 1), (64, 4, 2, None, 2), (32, 4, 3, 168, 1), (32, 4, 3, 168, 2)]
+    large = [(32, 32, 4, 2, None, 1), (32, 32, 4, 2, None, 2), (16, 32, 4, 3, 168, 1), (16, 32, 4, 3, 168, 2)]
     grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=True, pv_asm=True,
-                           v_early=ve) for bn, nw, st, reg, ve in small],
+                           qk_acc=qa) for bn, nw, st, reg, qa in small],
             "large": [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=True, pv_asm=True,
-                           v_early=ve) for bm, bn, nw, st, reg, ve in large]}
+                           qk_acc=qa) for bm, bn, nw, st, reg, qa in large]}
     best = {}
     for bucket, cfgs in grid.items():
         bs_list = [batch(pools[0].shape[0], bs, ctx, h, tq, gen) for h, bs, ctx, tq in shapes[bucket]]

@@ -46,9 +46,12 @@ def main(argv=None):
     shapes = {"step 4x4k x%d layers" % args.layers: (4, 4096, pools, pools16),
               "1x4k": (1, 4096, pools[:1], pools16[:1]), "8x4k": (8, 4096, pools[:1], pools16[:1])}
     base = dict(rt.FUSED_TUNING["small"])
-    configs = [None] + [dict(base, block_n=bn, num_stages=st, ctas_per_sm=c, min_split=ms)
-                        for bn, st in ((64, 2), (32, 3))
-                        for c, ms in itertools.product((1, 2, 4), (64, 128, 256, 512, 1024))]
+    # qk_acc 2: two independent QK accumulator chains (16 dependent MMAs a step, not 32), the
+    # latency a lone CTA pays in full; deeper pipelines (stages 3, 4) prefetch further ahead.
+    configs = [None] + [dict(base, block_n=64, num_stages=2, ctas_per_sm=c, min_split=ms, qk_acc=qa)
+                        for qa in (1, 2) for c, ms in itertools.product((1, 2, 4), (64, 128))]
+    configs += [dict(base, block_n=bn, num_stages=st, ctas_per_sm=1, min_split=ms, qk_acc=2, maxnreg=None)
+                for bn, st in ((64, 3), (32, 4)) for ms in (64, 128)]
     report = {"copy_bw": bw, "rows": []}
     for name, (bs, ctx, ps, ps16) in shapes.items():
         b = batch(slots, bs, ctx, 16, 1, gen)
@@ -65,7 +68,7 @@ def main(argv=None):
                 print(f"  {cfg}: failed {type(exc).__name__}: {exc}", flush=True)
                 continue
             label = "default" if cfg is None else {k: cfg[k] for k in ("block_n", "num_stages", "ctas_per_sm",
-                                                                      "min_split")}
+                                                                      "min_split", "qk_acc")}
             print(f"  fused {us:8.1f} us ({us / (bf16 * 1e3):.3f}x bf16)  {label}", flush=True)
             report["rows"].append({"shape": name, "config": label, "fused_us": us, "bf16_us": bf16 * 1e3,
                                    "floor_us": floor * 1e3})

@@ -82,6 +82,14 @@ for causal in (True, False):
     fz.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=2,
                  causal=causal, config=cfg, n_splits=3)
     print("indptr", causal, err(out, fused_reference(qn, qp, pool, 0.1, rows, 2, causal)))
+# many splits: the combine reads them in column blocks (40 splits: one 64-split tile of 128
+# columns), and beyond 64 live splits in two tiles merged in turn (70 splits, 69 live)
+pool2, perm2, indptr2, qn2, qp2 = case(slots=1500, heads=4, lens=(1100, 37), tq=1, seed=3)
+rows2 = lambda b: perm2[indptr2[b]:indptr2[b + 1]]
+for ns in (40, 70):
+    out2 = torch.full((2, 4, 512), float("nan"), dtype=torch.bfloat16)
+    fz.fused_mla(qn2, qp2, pool2, out2, 0.1, kv_indptr=indptr2, kv_indices=perm2, config=cfg, n_splits=ns)
+    print("splits", ns, err(out2, fused_reference(qn2, qp2, pool2, 0.1, rows2, 1, False)))
 # sabotage: no causal mask against the causal reference
 out = torch.empty((4, 4, 512), dtype=torch.bfloat16)
 fz.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=2, causal=False,
@@ -114,5 +122,6 @@ def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_m
     errs = {(w[0], w[1] if len(w) == 3 else ""): float(w[-1]) for w in map(str.split, res.stdout.splitlines())}
     assert errs[("indptr", "True")] < 1.5e-2 and errs[("indptr", "False")] < 1.5e-2, errs
     assert errs[("table", "")] < 1.5e-2, errs
+    assert errs[("splits", "40")] < 1.5e-2 and errs[("splits", "70")] < 1.5e-2, errs
     assert errs[("bigq", "")] < 1.5e-2, errs  # nan (f16 overflow) without the power-of-two scaling
     assert errs[("nomask", "")] > 1.5e-2, errs  # the check fails on a missing causal mask

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SM_REGS, SM_SMEM = 65536, 232448  # per SM on sm_90 (H100 / H200)
 TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", "lens": "*i32",
          "part_o": "*fp32", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
-FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False}  # --f16/--pv-asm/--v-early set them
+FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1}  # --f16/--pv-asm/--v-early/--qk-acc
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
 
 
@@ -79,7 +79,7 @@ def main(argv=None):
         ap.add_argument("--" + flag.lower().replace("_", "-"), type=int, default=int(FLAGS[flag]))
     args = ap.parse_args(argv)
     for flag in FLAGS:
-        FLAGS[flag] = getattr(args, flag.lower()) if flag == "V_EARLY" else bool(getattr(args, flag.lower()))
+        FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))
     try:
         kernel = _fused()._fused_build()[0]
     except TypeError:

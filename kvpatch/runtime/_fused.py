@@ -23,7 +23,8 @@ from kvpatch.runtime._launch import _launch, _launch_ident
 # Launch constants per (query rows per request x heads) bucket; the H200 sweep of
 # benchmarks/bench_fused.py picks them. block_m: query rows a program holds (heads x
 # draft tokens); block_n: KV positions per step; ctas_per_sm: the grid the split count
-# aims at; min_split: fewest positions a split takes before more splits pay.
+# aims at; min_split: fewest positions a split takes before more splits pay; splits_down:
+# that split count rounded down, not up; qk_acc: independent QK accumulator chains (1, 2).
 FUSED_TUNING = {
     "small": {
         "block_m": 16,
@@ -31,9 +32,11 @@ FUSED_TUNING = {
         "num_warps": 4,
         "num_stages": 2,
         "ctas_per_sm": 2,
-        "min_split": 128,
+        "min_split": 64,
         "f16": True,
         "pv_asm": True,
+        "qk_acc": 2,
+        "splits_down": True,
     },
     "large": {
         "block_m": 32,
@@ -45,7 +48,15 @@ FUSED_TUNING = {
         "f16": True,
         "pv_asm": True,
     },
-}  # best of the sweeps of GPU runs 16 and 18 (H100, notes/gpu-runs.md): f16 dots, PV by inline asm
+}  # best of the sweeps of GPU runs 16, 18 and 22 (H100, notes/gpu-runs.md): f16 dots, PV by inline
+# asm; small: two QK chains, and splits from 64 positions (since the one-read combine, the
+# small batch's best: 1 x 4k 17.3 us against 21.0 at 128)
+
+# The combine's tile: SB splits x DB columns, at most this many fp32 values (64 registers a
+# thread at 4 warps). Few splits: a program merges a whole row (no more programs than rows,
+# which a large batch has many of: GPU run 22 lost 5-20 us to 4x the programs); many
+# splits (a small batch): the row in column blocks, all of a block's splits in one read.
+_FUSED_COMBINE_TILE = 8192
 
 _fused_scratch = (
     {}
@@ -247,7 +258,16 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     groups = -(-m_rows // block_m)
     if n_splits is None:
         target = _fused_sm_count(kv2.device) * cfg["ctas_per_sm"]
-        n_splits = max(1, min(64, -(-target // max(1, batch * groups))))
+        # Rounded down (small bucket): the grid stays within one wave of equal programs.
+        # Rounded up, 128 x 1k at 16 heads launched 3 splits, 384 programs for 264 slots
+        # (80.5 us against 66.6 for 2 splits; 64 x 8k 298.6 against 198.4: GPU run 24).
+        per_req = max(1, batch * groups)
+        n_splits = (
+            target // per_req if cfg.get("splits_down") else -(-target // per_req)
+        )
+        n_splits = max(1, min(64, n_splits))
+    comb_sb = min(64, 1 << max(0, n_splits - 1).bit_length())
+    comb_db = min(d, _FUSED_COMBINE_TILE // comb_sb)
     ckv_key, kpe_key = key[18:20]
     ckv_tensor, kpe_tensor = isinstance(ckv_key, tuple), isinstance(kpe_key, tuple)
     ckv_t = None if ckv_tensor else _fused_scale_tensor(ckv_key, kv2.device)
@@ -296,13 +316,14 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
                 F16=bool(cfg.get("f16", False)),
                 PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
                 V_EARLY=int(cfg.get("v_early", 0)) if not interpret else 0,
+                QK_ACC=int(cfg.get("qk_acc", 1)),
                 num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
             ).items()
         ),
         "combine_k": combine_k,
-        "combine_grid": (batch * m_rows,),
+        "combine_grid": (batch * m_rows, d // comb_db),
         "combine_ints": (out.stride(0), out.stride(1), n_splits, cfg["min_split"]),
         "combine_consts": tuple(
             dict(
@@ -312,6 +333,8 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
                 PS=int(page_size),
                 BY_INDPTR=by_indptr,
                 BLOCK_N=cfg["block_n"],
+                SB=comb_sb,
+                DB=comb_db,
                 num_warps=4,
             ).items()
         ),

@@ -97,6 +97,7 @@ def _fused_build():
         F16: tl.constexpr,
         PV_ASM: tl.constexpr,
         V_EARLY: tl.constexpr,
+        QK_ACC: tl.constexpr,
     ):
         # The latent (D = 4 x C) is handled in four column chunks, each its own operand
         # and accumulator: a whole [BLOCK_N, 512] bf16 tile as one dot operand pinned
@@ -187,24 +188,33 @@ def _fused_build():
                 v1 = _fused_vraw(row, C + c, ok, V_HINT)
                 v2 = _fused_vraw(row, 2 * C + c, ok, V_HINT)
                 v3 = _fused_vraw(row, 3 * C + c, ok, V_HINT)
-            qk = tl.dot(
+            # QK_ACC 2: two independent accumulators over the four latent chunks. One
+            # chains 32 dependent MMAs a step (8 k-steps a chunk), latency a lone CTA pays
+            # in full at small batch; two halve the chain. (Four fold back to two: Triton
+            # turns add(dot(a, b, 0), c) into dot(a, b, c).)
+            qa = tl.dot(
                 q0, tl.trans(_fused_rows(row, c, ok, DOT_F32, "evict_last", F16))
             )
-            qk = tl.dot(
+            qa = tl.dot(
                 q1,
                 tl.trans(_fused_rows(row, C + c, ok, DOT_F32, "evict_last", F16)),
-                qk,
+                qa,
             )
-            qk = tl.dot(
+            qb = qa
+            if QK_ACC == 2:
+                qb = tl.zeros_like(qa)
+            qb = tl.dot(
                 q2,
                 tl.trans(_fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_last", F16)),
-                qk,
+                qb,
             )
             qk = tl.dot(
                 q3,
                 tl.trans(_fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_last", F16)),
-                qk,
+                qb,
             )
+            if QK_ACC == 2:
+                qk = qa + qk
             if HAS_CKV_SCALE:
                 qk = qk * ckv
             qpe = tl.dot(
@@ -296,8 +306,15 @@ def _fused_build():
         PS: tl.constexpr,
         BY_INDPTR: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        SB: tl.constexpr,
+        DB: tl.constexpr,
     ):
+        # One program a (query row, DB-wide column block). The splits' partials are read
+        # SB at a time as one tile, all loads in flight together. A loop of one split an
+        # iteration waited an L2 round trip per split, 32 of them at 1 x 4k: the one read
+        # took the fused layer's fixed cost from 12.3 to 8.5 us (GPU run 22, H100).
         r = tl.program_id(0)  # (b, t, h) flattened
+        d0 = tl.program_id(1) * DB
         b = r // (TQ * H)
         th = r % (TQ * H)
         t = th // H
@@ -311,19 +328,26 @@ def _fused_build():
             tl.cdiv(tl.maximum(tl.cdiv(kv_len, n_splits), min_split), BLOCK_N) * BLOCK_N
         )
         live = tl.cdiv(kv_len, per)
-        dn = tl.arange(0, D)
+        dn = d0 + tl.arange(0, DB)
+        sb = tl.arange(0, SB)
+        base = r.to(tl.int64) * n_splits
         m_run = float("-inf")
         l_run = 0.0
-        acc = tl.zeros([D], tl.float32)
-        for s in range(0, live):
-            lse = tl.load(part_lse + r.to(tl.int64) * n_splits + s)
-            m_new = tl.maximum(m_run, lse)
+        acc = tl.zeros([DB], tl.float32)
+        for s0 in range(0, live, SB):
+            s_ok = s0 + sb < live
+            lse = tl.load(part_lse + base + s0 + sb, mask=s_ok, other=float("-inf"))
+            o = tl.load(
+                part_o + (base + s0 + sb)[:, None] * D + dn[None, :],
+                mask=s_ok[:, None],
+                other=0.0,
+            )
+            m_new = tl.maximum(m_run, tl.max(lse, 0))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_run - m_use)
             w = tl.exp2(lse - m_use)
-            o = tl.load(part_o + (r.to(tl.int64) * n_splits + s) * D + dn)
-            acc = acc * alpha + w * o
-            l_run = l_run * alpha + w
+            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+            l_run = l_run * alpha + tl.sum(w, 0)
             m_run = m_new
         res = acc / tl.where(l_run > 0.0, l_run, 1.0)
         dst = out + (b * TQ + t).to(tl.int64) * stride_o_t + h * stride_o_h + dn
