@@ -5,8 +5,7 @@ and the fused path, while their bytes are 1-10 us at the copy rate. This probe s
 parts, all in one run and with the same graph_ms timing as bench_fused (L2 flushed):
 
   empty       a graph of one one-program Triton kernel: the timing's own floor;
-  tiny        fused_mla (qk2: with two QK accumulator chains) and FlashInfer's bf16 kernel
-              on 1 request x 128 rows;
+  tiny        fused_mla and FlashInfer's bf16 kernel on 1 request x 128 rows (and 1 x 4k);
   slope       both paths at 8 x 4k and 32 x 4k: (t32 - t8) / (rows32 - rows8) is the cost of a
               row with the fixed part removed, given as TB/s on each path's own bytes;
   warm        the same two shapes replayed back to back with no flush (a decode step runs
@@ -73,7 +72,6 @@ def main(argv=None):
     pool = make_pool(495552, gen)
     pool16 = pool.to(BF16)
     x = torch.zeros(1, device="cuda")
-    qk2 = dict(rt.FUSED_TUNING["small"], qk_acc=2)  # two QK accumulator chains
     report = {"copy_bw": bw, "empty_us": graph_ms(lambda: _one[(1,)](x)) * 1e3,
               "empty_warm_us": warm_ms(lambda: _one[(1,)](x)) * 1e3}
     print(f"device {torch.cuda.get_device_name()}; copy {bw / 1e12:.2f} TB/s; one-program kernel: "
@@ -86,8 +84,6 @@ def main(argv=None):
             "bf16": lambda: w.run(b["qn_c"], b["qp_c"], pool16[:, :, :CKV], pool16[:, :, CKV:], out=out),
             "fused": lambda: rt.fused_mla(b["q_nope"], b["q_pe"], pool, out, SM_SCALE, kv_indptr=b["kv_indptr"],
                                           kv_indices=b["perm"]),
-            "qk2": lambda: rt.fused_mla(b["q_nope"], b["q_pe"], pool, out, SM_SCALE, kv_indptr=b["kv_indptr"],
-                                           kv_indices=b["perm"], config=qk2),
         }
         row = {"rows": b["rows"], "floor_us": b["rows"] * ROW / bw * 1e6}
         for path, fn in paths.items():
@@ -98,7 +94,7 @@ def main(argv=None):
                                                       for p in paths) + f" | floor {row['floor_us']:.1f} us", flush=True)
     a, c = report["8x4k"], report["32x4k"]
     d = c["rows"] - a["rows"]
-    for path, width in (("bf16", 2 * ROW), ("fused", ROW), ("qk2", ROW)):
+    for path, width in (("bf16", 2 * ROW), ("fused", ROW)):
         for kind in ("", "_warm"):
             per_row = (c[f"{path}{kind}_us"] - a[f"{path}{kind}_us"]) * 1e-6 / d
             fixed = a[f"{path}{kind}_us"] - per_row * a["rows"] * 1e6

@@ -1,8 +1,9 @@
 """Split count: the host picks it without the lengths (they are on the device), from the batch.
 
-fused_mla's plan rounds target / (batch x row groups) up, so a batch that does not divide
-the grid target launches a partial second wave (128 x 1k: 3 splits, 384 programs for 264
-slots on an H100 at 2 CTAs an SM). This times both roundings, up and down, on the
+Rounding target / (batch x row groups) up launches a partial second wave when the batch
+does not divide the grid target (128 x 1k: 3 splits, 384 programs for 264 slots on an H100
+at 2 CTAs an SM); fused_mla's plan rounds down in the 16-row bucket since GPU run 24. This
+times both roundings (the runtime's own _fused_split_count) and one split fewer, on the
 shapes where they differ, with FlashInfer's bf16 kernel in the same run. Prints only.
 
     python gpu/split_count_probe.py
@@ -38,8 +39,8 @@ def main():
         cfg = rt.FUSED_TUNING[bucket]
         groups = -(-heads // min(cfg["block_m"], heads))
         target = sms * cfg["ctas_per_sm"]
-        up = max(1, min(64, -(-target // (bs * groups))))
-        down = max(1, min(64, target // (bs * groups)))
+        up = rt._fused_split_count(target, bs * groups, False)
+        down = rt._fused_split_count(target, bs * groups, True)
         b = batch(pool.shape[0], bs, ctx, heads, 1, gen)
         out = torch.empty((bs, heads, CKV), dtype=BF16, device="cuda")
         w = fi_wrapper(ws, b)

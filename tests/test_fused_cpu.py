@@ -125,3 +125,14 @@ def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_m
     assert errs[("splits", "40")] < 1.5e-2 and errs[("splits", "70")] < 1.5e-2, errs
     assert errs[("bigq", "")] < 1.5e-2, errs  # nan (f16 overflow) without the power-of-two scaling
     assert errs[("nomask", "")] > 1.5e-2, errs  # the check fails on a missing causal mask
+
+
+def test_split_count_fills_one_wave_rounded_down_or_covers_it_rounded_up():
+    fz = load_fused()
+    count = fz._fused_split_count
+    # 264 slots (132 SMs x 2), 128 requests: down keeps one wave (256), up spills to 384
+    assert count(264, 128, True) == 2 and count(264, 128, False) == 3
+    assert count(264, 8, True) == count(264, 8, False) == 33  # a divisor: both the same
+    assert count(264, 1000, True) == 1 and count(264, 1000, False) == 1  # never below one
+    assert count(264, 1, True) == 64 and count(264, 0, False) == 64  # never above 64
+    assert fz.FUSED_TUNING["small"]["splits_down"] and not fz.FUSED_TUNING["large"].get("splits_down")
