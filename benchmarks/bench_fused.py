@@ -152,12 +152,18 @@ def sweep(rt, fz, ws, pools, bw, gen):
     # back from shared memory a byte at a time (the PTX: 128 ld.shared.b8 a thread a step).
     # v_early (V's bytes loaded before the QK dots) lost every sweep it was in (runs 18, 19): off.
     # qk_acc 2: two independent QK accumulators (a dependent chain of 16 MMAs a step, not 32).
-    small = [(64, 4, 2, None, 1), (64, 4, 2, None, 2), (32, 4, 3, 168, 1), (32, 4, 3, 168, 2)]
-    large = [(32, 32, 4, 2, None, 1), (32, 32, 4, 2, None, 2), (16, 32, 4, 3, 168, 1), (16, 32, 4, 3, 168, 2)]
-    grid = {"small": [dict(block_m=16, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=True, pv_asm=True,
-                           qk_acc=qa) for bn, nw, st, reg, qa in small],
-            "large": [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=True, pv_asm=True,
-                           qk_acc=qa) for bm, bn, nw, st, reg, qa in large]}
+    # block_m 64 at 8 warps (GPU run 28): the dots become wgmma (M = 64 a warpgroup) where
+    # block_m 16/32 at 4 warps is mma.sync; 246 registers, no spills (tools/fused_aot.py),
+    # one CTA an SM. pad_m: the small bucket's 16 rows padded to 64 to get wgmma all the same.
+    # (block_m, block_n, warps, stages, maxnreg, qk_acc, pad_m)
+    small = [(16, 64, 4, 2, None, 1, False), (16, 64, 4, 2, None, 2, False), (16, 32, 4, 3, 168, 1, False),
+             (16, 32, 4, 3, 168, 2, False), (64, 32, 8, 2, None, 2, True), (64, 16, 8, 3, None, 2, True)]
+    large = [(32, 32, 4, 2, None, 1, False), (32, 32, 4, 2, None, 2, False), (16, 32, 4, 3, 168, 1, False),
+             (16, 32, 4, 3, 168, 2, False), (64, 32, 8, 2, None, 1, False), (64, 32, 8, 2, None, 2, False),
+             (64, 32, 8, 3, None, 2, False), (64, 16, 8, 3, None, 2, False)]
+    grid = {bucket: [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=True, pv_asm=True,
+                          qk_acc=qa, pad_m=pad) for bm, bn, nw, st, reg, qa, pad in cfgs]
+            for bucket, cfgs in (("small", small), ("large", large))}
     best = {}
     for bucket, cfgs in grid.items():
         bs_list = [batch(pools[0].shape[0], bs, ctx, h, tq, gen) for h, bs, ctx, tq in shapes[bucket]]
@@ -165,7 +171,7 @@ def sweep(rt, fz, ws, pools, bw, gen):
         for base in cfgs:
             try:
                 info = ""
-                for ctas in (2, 3, 4):
+                for ctas in ((1, 2, 3) if base["num_warps"] == 8 else (2, 3, 4)):
                     cfg = dict(base, ctas_per_sm=ctas, min_split=128)
                     ts = [measure(rt, fz, ws, pools[0], None, b, bw, cfg, paths=("fused",), check=False)["fused_us"]
                           for b in bs_list]
@@ -197,6 +203,12 @@ def host_calls(rt, fz, gen):
                                           kv_indptr=b["kv_indptr"], kv_indices=b["perm"]),
         "kv_pages_for_kernel": lambda: rt.kv_pages_for_kernel(pool, BF16, 1, (pt, sl)),
     }
+    # Eager batches are the large ones (above the graph capture sizes): one split a
+    # request, so fused_mla makes one launch there, not two.
+    big = batch(65536, 256, 16, 16, 1, gen)
+    out_big = torch.empty((256, 16, CKV), dtype=BF16, device="cuda")
+    calls["fused_mla (256 requests: one split, one launch)"] = lambda: fz.fused_mla(
+        big["q_nope"], big["q_pe"], pool, out_big, SM_SCALE, kv_indptr=big["kv_indptr"], kv_indices=big["perm"])
     # The routed FA3 call (what KVP106 emits), fused path: the contract checks + fused_mla.
     kvv = pool.view(-1, 1, 1, ROW)
     routed = dict(q=b["q_pe"], k_cache=kvv[..., CKV:], v_cache=kvv[..., :CKV], qv=b["q_nope"], page_table=pt,

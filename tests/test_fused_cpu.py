@@ -107,6 +107,25 @@ big = 3.0e5
 fz.fused_mla(qn * big, qp * big, pool, out, 0.1 / big, kv_indptr=indptr, kv_indices=perm, q_per_request=2,
              causal=True, config=dict(cfg, f16=True), n_splits=3)
 print("bigq", err(out, fused_reference(qn * big, qp * big, pool, 0.1 / big, rows, 2, True)))
+# One split: the split kernel writes the output itself, no combine launch; the same bits as
+# split + combine, and a request with no rows gets zeros (out starts as NaN).
+pool3, perm3, indptr3, qn3, qp3 = case(lens=(37, 0, 70), tq=2, seed=7)
+rows3 = lambda b: perm3[indptr3[b]:indptr3[b + 1]]
+launches, real_launch = [], fz._launch
+fz._launch = lambda k, *a, **kw: launches.append(k) or real_launch(k, *a, **kw)
+outs = {}
+for direct in (True, False):
+    o = torch.full((6, 4, 512), float("nan"), dtype=torch.bfloat16)
+    del launches[:]
+    fz.fused_mla(qn3, qp3, pool3, o, 0.1, kv_indptr=indptr3, kv_indices=perm3, q_per_request=2, causal=True,
+                 config=dict(cfg, direct=direct), n_splits=1)
+    outs[direct] = (o, len(launches))
+fz._launch = real_launch
+ref3 = fused_reference(qn3, qp3, pool3, 0.1, rows3, 2, True)
+print("direct_err", err(outs[True][0][[0, 1, 4, 5]], ref3[[0, 1, 4, 5]]))
+print("direct_launches", outs[True][1], outs[False][1])
+print("direct_equal", int(torch.equal(outs[True][0], outs[False][0])))
+print("direct_empty_zero", int(bool((outs[True][0][2:4] == 0).all())))
 """
 
 
@@ -119,12 +138,17 @@ def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_m
     res = subprocess.run([sys.executable, "-W", "ignore", "-c", INTERPRET_SCRIPT, str(ROOT)], env=env,
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    errs = {(w[0], w[1] if len(w) == 3 else ""): float(w[-1]) for w in map(str.split, res.stdout.splitlines())}
+    lines = [w for w in map(str.split, res.stdout.splitlines()) if w]
+    direct = {w[0]: [float(x) for x in w[1:]] for w in lines if w[0].startswith("direct_")}
+    errs = {(w[0], w[1] if len(w) == 3 else ""): float(w[-1]) for w in lines if not w[0].startswith("direct_")}
     assert errs[("indptr", "True")] < 1.5e-2 and errs[("indptr", "False")] < 1.5e-2, errs
     assert errs[("table", "")] < 1.5e-2, errs
     assert errs[("splits", "40")] < 1.5e-2 and errs[("splits", "70")] < 1.5e-2, errs
     assert errs[("bigq", "")] < 1.5e-2, errs  # nan (f16 overflow) without the power-of-two scaling
     assert errs[("nomask", "")] > 1.5e-2, errs  # the check fails on a missing causal mask
+    assert direct["direct_err"][0] < 1.5e-2, direct
+    assert direct["direct_launches"] == [1.0, 2.0], direct  # one split: no combine launch
+    assert direct["direct_equal"] == [1.0] and direct["direct_empty_zero"] == [1.0], direct
 
 
 def test_split_count_fills_one_wave_rounded_down_or_covers_it_rounded_up():

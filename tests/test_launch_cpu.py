@@ -137,6 +137,66 @@ def test_an_empty_hook_chain_keeps_the_cached_launch_and_a_filled_one_does_not(r
     assert k.log[-1][0] == "bind"
 
 
+def test_pointer_ints_serve_cached_launches_under_a_callers_key_only(rt, fake_triton):
+    k = Kernel()
+    x, y = torch.zeros(8), torch.zeros(8)
+    consts = (("A", 1), ("B", 2))
+    ints = (x.data_ptr(), y.data_ptr(), 5)
+    rt._launch(k, (1,), (x, y, 5), consts, "key", ints)
+    assert k.log[-1][0] == "bind" and k.log[-1][2] == (x, y, 5)  # Triton binds the tensors
+    rt._launch(k, (1,), (x, y, 5), consts, "key", ints)
+    assert k.log[-1][0] == "run" and k.log[-1][-5:] == ints + (1, 2)
+    rt._launch(k, (1,), (x, y, 5), consts, None, ints)  # no caller key: no ints either
+    rt._launch(k, (1,), (x, y, 5), consts, None, ints)
+    assert k.log[-1][0] == "run" and k.log[-1][-5:] == (x, y, 5, 1, 2)
+
+
+class CudaLauncher:
+    """Triton 3.6's launcher object (what a compiled kernel's run property returns)."""
+
+    def __init__(self, log, scratch=0):
+        self.log, self.global_scratch_size, self.profile_scratch_size = log, scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, *a):
+        self.log.append(("run",) + a)
+
+    def launch(self, *a):
+        self.log.append(("c launch",) + a)
+
+
+class LauncherKernel(Kernel):
+    def __init__(self, scratch=0):
+        super().__init__()
+        self.launcher = CudaLauncher(self.log, scratch)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append(("bind", grid, args, kw))
+            c = Compiled(self.log)
+            c.run = self.launcher
+            return c
+        return launch
+
+
+@pytest.mark.parametrize("version,scratch,want", [("3.6.0", 0, "c launch"), ("3.6.0", 256, "run"),
+                                                   ("3.5.1", 0, "run")])
+def test_the_c_launch_is_called_directly_only_where_the_launcher_adds_nothing(
+        rt, fake_triton, monkeypatch, version, scratch, want):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+    k = LauncherKernel(scratch)
+    x = torch.zeros(8)
+    for _ in range(2):
+        rt._launch(k, (3, 2), (x, x, 5), (("B", 2), ("A", 1)))
+    assert k.log[-1][0] == want
+    if want == "c launch":  # the argument order of Triton 3.6's CudaLauncher.__call__
+        assert k.log[-1][1:] == (3, 2, 1, 77, "fn", False, True, None, None, "meta", None, None, None,
+                                 x, x, 5, 1, 2)
+
+
 def test_no_gpu_driver_means_tritons_own_launch(rt, monkeypatch):
     monkeypatch.setattr(rt, "_launch_triton", False)
     k = Kernel()
@@ -156,8 +216,8 @@ class FusedFakes:
         self.calls = []
         monkeypatch.setattr(rt, "_fused_build", lambda: ("split", "combine"))
         monkeypatch.setattr(rt, "_fused_sm_count", lambda dev: 132)
-        monkeypatch.setattr(rt, "_launch", lambda k, grid, args, consts, spec=None:
-                            self.calls.append((k, grid, args, dict(consts), spec)))
+        monkeypatch.setattr(rt, "_launch", lambda k, grid, args, consts, spec=None, ptr_args=None:
+                            self.calls.append((k, grid, args, dict(consts), spec, ptr_args)))
         rt._fused_plans.clear()
         rt._fused_scratch.clear()
 
@@ -189,10 +249,10 @@ def test_a_plan_serves_its_geometry_only(rt, monkeypatch):
     both = torch.zeros(2, 16, 576, dtype=BF16)
     rt.fused_mla(both[..., :512], both[..., 512:], pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
     args = f.split()[-1][2]
-    assert len(rt._fused_plans) == 3 and args[10] == 16 * 576 and args[11] == 576  # q_nope's strides
+    assert len(rt._fused_plans) == 3 and args[12] == 16 * 576 and args[13] == 576  # q_nope's strides
     # Only q_nope's strides differ from the first plan's: a plan of its own all the same.
     rt.fused_mla(both[..., :512], qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices)
-    assert len(rt._fused_plans) == 4 and f.split()[-1][2][10] == 16 * 576 and f.split()[-1][2][12] == 16 * 64
+    assert len(rt._fused_plans) == 4 and f.split()[-1][2][12] == 16 * 576 and f.split()[-1][2][14] == 16 * 64
 
 
 def test_a_misaligned_query_takes_the_per_argument_key(rt, monkeypatch):
@@ -222,7 +282,7 @@ def test_scales_reach_the_kernel_as_the_plan_says(rt, monkeypatch, scale, has):
     qn, qp, pool, out, indptr, indices = _inputs()
     sc = torch.full((1,), 0.25) if scale == "tensor" else scale
     rt.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=indices, ckv_scale=sc)
-    _, _, args, consts, _ = f.split()[-1]
+    _, _, args, consts, _, _ = f.split()[-1]
     assert consts["HAS_CKV_SCALE"] is has
     if scale == "tensor":
         assert args[7] is sc  # the call's own tensor, read per call
@@ -239,12 +299,36 @@ def test_scratch_grows_and_an_older_plan_keeps_its_buffers(rt, monkeypatch):
     small = _inputs(batch=1)
     rt.fused_mla(*small[:4], 0.1, kv_indptr=small[4], kv_indices=small[5])
     first = f.split()[-1][2][5]
-    big = _inputs(batch=400)
+    big = _inputs(batch=100)  # 2 splits a request (264 programs' worth): 3,200 rows
     rt.fused_mla(*big[:4], 0.1, kv_indptr=big[4], kv_indices=big[5])
     grown = f.split()[-1][2][5]
     assert grown.shape[0] > first.shape[0]
     rt.fused_mla(*small[:4], 0.1, kv_indptr=small[4], kv_indices=small[5])
     assert f.split()[-1][2][5] is first
     # Rows a split writes: batch x heads x splits, within the plan's buffer.
-    b, splits = 400, f.split()[1][1][1]
+    b, splits = 100, f.split()[1][1][1]
     assert grown.shape[0] >= b * 16 * splits
+
+
+def test_one_split_writes_the_output_and_launches_no_combine(rt, monkeypatch):
+    """Eager batches above the graph sizes fill the GPU with one split a request: the split
+    kernel then writes the output itself, one launch (host time) instead of two."""
+    f = FusedFakes(rt, monkeypatch)
+    big = _inputs(batch=400)
+    rt.fused_mla(*big[:4], 0.1, kv_indptr=big[4], kv_indices=big[5])
+    assert [c[0] for c in f.calls] == ["split"]
+    _, grid, args, consts, _, ptr_args = f.calls[-1]
+    assert ptr_args is None  # CPU tensors: never as ints (Triton's launcher reports them)
+    assert grid[1] == 1 and consts["DIRECT"] is True and args[5] is big[3]  # out, not scratch
+    assert args[10:12] == big[3].stride()[:2]  # the output's strides follow sm_scale
+    # The same geometry told not to: split + combine, into the scratch.
+    del f.calls[:]
+    cfg = dict(rt.FUSED_TUNING["small"], direct=False)
+    rt.fused_mla(*big[:4], 0.1, kv_indptr=big[4], kv_indices=big[5], config=cfg)
+    assert [c[0] for c in f.calls] == ["split", "combine"] and f.calls[0][3]["DIRECT"] is False
+    assert f.calls[0][2][5] is not big[3]
+    # A small batch: many splits, always the combine.
+    del f.calls[:]
+    small = _inputs(batch=2)
+    rt.fused_mla(*small[:4], 0.1, kv_indptr=small[4], kv_indices=small[5])
+    assert [c[0] for c in f.calls] == ["split", "combine"] and f.calls[0][1][1] > 1

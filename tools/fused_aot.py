@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SM_REGS, SM_SMEM = 65536, 232448  # per SM on sm_90 (H100 / H200)
 TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", "lens": "*i32",
          "part_o": "*fp32", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
-FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1}  # --f16/--pv-asm/--v-early/--qk-acc
+# --f16/--pv-asm/--v-early/--qk-acc/--direct (DIRECT: one split, the output written in place)
+FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False}
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
 
 
@@ -42,7 +43,8 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=1, BY_INDPTR=True, CAUSAL=tq > 1, HAS_CKV_SCALE=False,
                  HAS_KPE_SCALE=False, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=False, **FLAGS)
     names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
+    types = dict(TYPES, part_o="*bf16") if FLAGS["DIRECT"] else TYPES
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     # What the launcher specialises on at run time: 16-byte aligned pointers and strides.
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}

@@ -173,27 +173,46 @@ def fused_mla(
             _fused_plans[key] = plan
     # One alignment class for every caller tensor: all 16-byte aligned (the usual case)
     # is the plan's own binary; any other goes through the full per-argument key.
-    aligned = (
-        not (
-            q_nope.data_ptr()
-            | q_pe.data_ptr()
-            | kv_buffer.data_ptr()
-            | table.data_ptr()
-            | lens.data_ptr()
-            | out.data_ptr()
-        )
-        & 15
+    ptrs = (
+        q_nope.data_ptr(),
+        q_pe.data_ptr(),
+        kv_buffer.data_ptr(),
+        table.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
     )
+    aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
     ckv_t = ckv_scale if plan["ckv_tensor"] else plan["ckv_t"]
     kpe_t = kpe_scale if plan["kpe_tensor"] else plan["kpe_t"]
     part_o, part_lse = plan["scratch"]
-    spec = None
+    p_o, p_lse = plan["scratch_ptrs"]
+    if plan["direct"]:
+        part_o, p_o = out, ptrs[5]
+    if ckv_t is None:
+        ckv_t = part_lse  # not read (HAS_CKV_SCALE off): any valid pointer
+    if kpe_t is None:
+        kpe_t = part_lse
+    spec = split_ptrs = None
     if aligned and plan["ident"] is not None:
-        spec = (
-            plan["ident"],
-            ckv_t is None or not ckv_t.data_ptr() & 15,
-            kpe_t is None or not kpe_t.data_ptr() & 15,
-        )
+        p_ckv, p_kpe = ckv_t.data_ptr(), kpe_t.data_ptr()
+        spec = (plan["ident"], not p_ckv & 15, not p_kpe & 15)
+        # The pointers as ints once the binary is cached: only for CUDA tensors, which
+        # Triton's launcher would have checked (a CPU tensor gets its error from there).
+        if (
+            plan["flat"]
+            and q_nope.is_cuda
+            and q_pe.is_cuda
+            and table.is_cuda
+            and lens.is_cuda
+            and out.is_cuda
+            and ckv_t.is_cuda
+            and kpe_t.is_cuda
+        ):
+            split_ptrs = (
+                ptrs[:5]
+                + (p_o, p_lse, p_ckv, p_kpe, float(sm_scale))
+                + plan["split_ints"]
+            )
     _fused_last["split"] = _launch(
         plan["split_k"],
         plan["split_grid"],
@@ -205,21 +224,24 @@ def fused_mla(
             lens,
             part_o,
             part_lse,
-            ckv_t if ckv_t is not None else part_lse,
-            kpe_t if kpe_t is not None else part_lse,
+            ckv_t,
+            kpe_t,
             float(sm_scale),
         )
         + plan["split_ints"],
         plan["split_consts"],
         spec,
+        split_ptrs,
     )
-    _fused_last["combine"] = _launch(
-        plan["combine_k"],
-        plan["combine_grid"],
-        (part_o, part_lse, lens, out) + plan["combine_ints"],
-        plan["combine_consts"],
-        spec,
-    )
+    if not plan["direct"]:
+        _fused_last["combine"] = _launch(
+            plan["combine_k"],
+            plan["combine_grid"],
+            (part_o, part_lse, lens, out) + plan["combine_ints"],
+            plan["combine_consts"],
+            spec,
+            split_ptrs and (p_o, p_lse, ptrs[4], ptrs[5]) + plan["combine_ints"],
+        )
     return out
 
 
@@ -264,7 +286,9 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     bucket = _fused_bucket(m_rows)
     tuning = FUSED_TUNING[bucket]
     cfg = dict(tuning, **(config or {}))
-    block_m = min(cfg["block_m"], max(16, 1 << (m_rows - 1).bit_length()))
+    block_m = cfg["block_m"]
+    if not cfg.get("pad_m"):  # pad_m: keep block_m above the rows (wgmma needs M = 64)
+        block_m = min(block_m, max(16, 1 << (m_rows - 1).bit_length()))
     groups = -(-m_rows // block_m)
     if n_splits is None:
         n_splits = _fused_split_count(
@@ -272,6 +296,8 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
             batch * groups,
             cfg.get("splits_down", False),
         )
+    # One split: the split kernel writes the output itself (no combine launch).
+    direct = n_splits == 1 and cfg.get("direct", True)
     comb_sb = min(64, 1 << max(0, n_splits - 1).bit_length())
     comb_db = min(d, _FUSED_COMBINE_TILE // comb_sb)
     ckv_key, kpe_key = key[18:20]
@@ -281,6 +307,9 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     # A cached plan's ident stands for its constants in the launch key; a plan made for
     # a one-off config is not cached and has none (the launch keys on its constants).
     ident = _launch_ident("fused") if config is None else None
+    scratch = _fused_scratch_for(
+        kv2.device, 1 if direct else batch * m_rows * n_splits, d
+    )
     return {
         "ident": ident,
         "bucket": bucket,
@@ -290,11 +319,15 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
         "kpe_tensor": kpe_tensor,
         "ckv_t": ckv_t,
         "kpe_t": kpe_t,
-        "scratch": _fused_scratch_for(kv2.device, batch * m_rows * n_splits, d),
+        "direct": direct,
+        "scratch": scratch,
+        "scratch_ptrs": (scratch[0].data_ptr(), scratch[1].data_ptr()),
         "split_k": split_k,
         "split_grid": (batch, n_splits, groups),
         # After sm_scale: the strides, the pool's slot count, the split count, min_split.
         "split_ints": (
+            out.stride(0),
+            out.stride(1),
             q_nope.stride(0),
             q_nope.stride(1),
             q_pe.stride(0),
@@ -323,6 +356,7 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
                 PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
                 V_EARLY=int(cfg.get("v_early", 0)) if not interpret else 0,
                 QK_ACC=int(cfg.get("qk_acc", 1)),
+                DIRECT=direct,
                 num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),

@@ -233,6 +233,48 @@ def test_graph_replays_with_more_and_fewer_rows_than_at_capture(mode):
         del ref, live
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_one_split_writes_the_output_in_one_launch_and_replays_in_a_graph(heads):
+    # A batch that fills the GPU gets one split a request: the split kernel writes the
+    # output itself (no combine launch), the same bits as split + combine.
+    slots, bs = 300_000, 320
+    pool = fp8_pool(slots)
+    lens = [(i * 37) % 900 + 1 for i in range(bs)]
+    lens[5] = 0  # a request with no rows: zeros, as the combine writes
+    p0, indptr = indptr_batch(lens, slots)
+    perm = torch.zeros(slots, dtype=torch.int32, device=DEV)  # room for the replay's rows
+    perm[: p0.numel()] = p0
+    qn, qp = queries(bs, heads)
+    launches, real = [], RT._launch
+    RT._launch = lambda k, *a, **kw: launches.append(k) or real(k, *a, **kw)
+    try:
+        out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm)
+    finally:
+        RT._launch = real
+    assert len(launches) == 1, "one split a request must not launch the combine"
+    two = torch.full_like(out, float("nan"))
+    cfg = dict(RT.FUSED_TUNING[RT._fused_bucket(heads)], direct=False)
+    RT.fused_mla(qn, qp, pool, two, 0.1, kv_indptr=indptr, kv_indices=perm, config=cfg, n_splits=1)
+    assert torch.equal(out, two)
+    assert bool((out[5] == 0).all())
+    check = [0, 1, 7, bs - 1]
+    ref = fused_reference(qn[check], qp[check], pool, 0.1, lambda b: rows_indptr(perm, indptr)(check[b]))
+    assert ok(out[check], ref), rel_err(out[check], ref)
+    # Graph: captured at these lengths, replayed with others (shorter and longer).
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        RT.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm)
+    lens2 = [(i * 53) % 1200 + 1 for i in range(bs)]
+    p2, ip2 = indptr_batch(lens2, slots, seed=9)
+    perm[: p2.numel()] = p2
+    indptr.copy_(ip2)
+    out.fill_(float("nan"))
+    g.replay()
+    ref = fused_reference(qn[check], qp[check], pool, 0.1, lambda b: rows_indptr(perm, indptr)(check[b]))
+    assert ok(out[check], ref), rel_err(out[check], ref)
+    assert bool(torch.isfinite(out).all())
+
+
 def test_no_host_sync_and_no_allocation_per_call():
     pool = fp8_pool(50_000)
     perm, indptr = indptr_batch([3000, 4000], 50_000)
