@@ -160,7 +160,7 @@ def sweep(rt, fz, ws, pools, bw, gen):
              (16, 32, 4, 3, 168, 2, False), (64, 32, 8, 2, None, 2, True), (64, 16, 8, 3, None, 2, True)]
     large = [(32, 32, 4, 2, None, 1, False), (32, 32, 4, 2, None, 2, False), (16, 32, 4, 3, 168, 1, False),
              (16, 32, 4, 3, 168, 2, False), (64, 32, 8, 2, None, 1, False), (64, 32, 8, 2, None, 2, False),
-             (64, 32, 8, 3, None, 2, False), (64, 16, 8, 3, None, 2, False)]
+             (64, 32, 8, 3, None, 2, False), (64, 16, 8, 3, None, 2, False), (64, 64, 8, 2, None, 2, False)]
     grid = {bucket: [dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=st, maxnreg=reg, f16=True, pv_asm=True,
                           qk_acc=qa, pad_m=pad) for bm, bn, nw, st, reg, qa, pad in cfgs]
             for bucket, cfgs in (("small", small), ("large", large))}
