@@ -31,6 +31,7 @@ for s in $steps; do
     fused) python3 benchmarks/bench_fused.py --sweep --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     fused_table) python3 benchmarks/bench_fused.py --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     probe) python3 gpu/overhead_probe.py --json "$OUT/overhead_probe.json" 2>&1 | tee "$OUT/overhead_probe.log" ;;
+    wgmma) python3 gpu/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log" ;;
     splits) python3 gpu/split_count_probe.py 2>&1 | tee "$OUT/split_count.log" ;;
     step_sweep) python3 gpu/sweep_step.py --json "$OUT/sweep_step.json" 2>&1 | tee "$OUT/sweep_step.log" ;;
     profile) for c in '{}'; do

@@ -1,0 +1,70 @@
+"""wgmma or mma.sync: the fused kernel at block_m 64 / 8 warps against the committed tuning.
+
+Triton emits wgmma (Hopper's warpgroup MMA, B read from shared memory) only for M = 64 a
+warpgroup; the committed tuning (block_m 16 and 32 at 4 warps) compiles to mma.sync
+(tools/fused_aot.py --dump: 80 wgmma, 0 mma.sync at block_m 64 / 8 warps; 0 and 136 at
+block_m 32 / 4 warps). At 128 heads and with draft tokens the kernel does 8x the MMA work
+of 16 heads per row, where the bf16 kernel stays 2-3x faster (runs 22-26). This times both
+on the shapes of each bucket, FlashInfer's bf16 kernel on a bf16 pool in the same run, and
+checks each config's output against an fp32 reference on the first requests. Prints only.
+
+    python gpu/wgmma_probe.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_attention import load_runtime, make_pool  # noqa: E402
+from bench_fused import measure, batch  # noqa: E402
+
+WGMMA = {
+    "large": [dict(block_m=64, block_n=32, num_warps=8, num_stages=2, qk_acc=2),
+              dict(block_m=64, block_n=64, num_warps=8, num_stages=2, qk_acc=2),
+              dict(block_m=64, block_n=16, num_warps=8, num_stages=3, qk_acc=2)],
+    "small": [dict(block_m=64, block_n=32, num_warps=8, num_stages=2, qk_acc=2, pad_m=True)],
+}
+SHAPES = {"large": [(128, 8, 4096, 1), (128, 32, 4096, 1), (16, 32, 4096, 4), (16, 8, 4096, 8)],
+          "small": [(16, 32, 4096, 1), (16, 8, 32768, 1)]}
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("wgmma_probe: no CUDA device", file=sys.stderr)
+        return 2
+    os.environ.setdefault("KVPATCH_MODE", "gather")
+    rt = load_runtime()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    pool = make_pool(495552, gen)
+    pool16 = pool.to(torch.bfloat16)
+    for bucket, shapes in SHAPES.items():
+        base = rt.FUSED_TUNING[bucket]
+        for heads, bs, ctx, tq in shapes:
+            b = batch(pool.shape[0], bs, ctx, heads, tq, gen)
+            r = measure(rt, rt, ws, pool, pool16, b, 1.0, None, paths=("bf16", "fused"))
+            bf16 = r["bf16_us"]
+            print(f"{heads}h {bs}x{ctx} tq{tq}: bf16 {bf16:7.1f} us | committed {r['fused_us']:7.1f} "
+                  f"({r['fused_us'] / bf16:.2f}x, err {r['fused_err']:.1e})", flush=True)
+            for cfg in WGMMA[bucket]:
+                for ctas in (1, 2):
+                    c = dict(base, **cfg, ctas_per_sm=ctas)
+                    try:
+                        r = measure(rt, rt, ws, pool, None, b, 1.0, c, paths=("fused",))
+                        k = rt._fused_last.get("split")
+                        print(f"    {cfg} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "
+                              f"err {r['fused_err']:.1e}, det {r['fused_deterministic']}, "
+                              f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')})", flush=True)
+                    except Exception as exc:
+                        print(f"    {cfg} ctas {ctas}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            del b
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
