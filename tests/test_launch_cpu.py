@@ -197,6 +197,26 @@ def test_the_c_launch_is_called_directly_only_where_the_launcher_adds_nothing(
                                  x, x, 5, 1, 2)
 
 
+def test_a_c_launch_that_refuses_its_arguments_falls_back_to_the_launcher(rt, fake_triton, monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    k = LauncherKernel()
+    refused = []
+
+    def launch(*a):
+        refused.append(a)
+        raise TypeError("function takes exactly 14 arguments")
+
+    k.launcher.launch = launch
+    x = torch.zeros(8)
+    for _ in range(3):
+        rt._launch(k, (1,), (x, x, 5), (("B", 2), ("A", 1)))
+    assert len(refused) == 1  # tried once, then never again
+    assert [e[0] for e in k.log] == ["bind", "run", "run"]
+
+
 def test_no_gpu_driver_means_tritons_own_launch(rt, monkeypatch):
     monkeypatch.setattr(rt, "_launch_triton", False)
     k = Kernel()

@@ -141,24 +141,29 @@ def _launch(kernel, grid, args, consts, spec=None, ptr_args=None):
         args = ptr_args
     if direct is not None:
         launch, cooperative, pdl = direct
-        launch(
-            grid[0],
-            g1,
-            g2,
-            current_stream(dev),
-            ck.function,
-            cooperative,
-            pdl,
-            None,
-            None,
-            ck.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *tail,
-        )
-        return ck
+        try:
+            launch(
+                grid[0],
+                g1,
+                g2,
+                current_stream(dev),
+                ck.function,
+                cooperative,
+                pdl,
+                None,
+                None,
+                ck.packed_metadata,
+                None,
+                None,
+                None,
+                *args,
+                *tail,
+            )
+            return ck
+        except TypeError:
+            # Arguments refused before any launch (a launcher this part does not know
+            # after all): the launcher object from now on.
+            _launch_compiled[key] = (ck, tail, None)
     ck.run(
         grid[0],
         g1,
