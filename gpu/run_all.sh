@@ -39,6 +39,7 @@ for s in $steps; do
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                  --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
                  python3 gpu/profile_fused.py "$c" 2>&1 | tee -a "$OUT/profile_fused.log"; done ;;
+    host_times) python3 benchmarks/bench_fused.py --host-only --json "$OUT/host_times.json" 2>&1 | tee "$OUT/host_times.log" ;;
     host) python3 gpu/host_profile.py 2>&1 | tee "$OUT/host_profile.log" ;;
     attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;
     *) echo "unknown step $s" ;;
