@@ -48,6 +48,18 @@ CASES_128 = [(8, 4096), (32, 4096)]
 CASES_VERIFY = [(8, 4096, 4), (32, 4096, 4), (8, 4096, 8), (32, 4096, 8)]
 
 
+def probe_setup(name):
+    """(runtime, generator, FlashInfer workspace) for a GPU probe script (gpu/*_probe.py),
+    or None without a CUDA device (said on stderr)."""
+    if not torch.cuda.is_available():
+        print(f"{name}: no CUDA device", file=sys.stderr)
+        return None
+    os.environ.setdefault("KVPATCH_MODE", "gather")
+    rt = load_runtime()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return rt, gen, torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+
+
 def fused_module(rt):
     """The runtime itself: fused_mla is one of its parts."""
     return rt

@@ -18,18 +18,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_attention import load_runtime, make_pool  # noqa: E402
-from bench_fused import BF16, CKV, SM_SCALE, batch, fi_wrapper, graph_ms  # noqa: E402
+from bench_attention import make_pool  # noqa: E402
+from bench_fused import BF16, CKV, SM_SCALE, batch, fi_wrapper, graph_ms, probe_setup  # noqa: E402
 
 
 def main():
-    if not torch.cuda.is_available():
-        print("split_count_probe: no CUDA device", file=sys.stderr)
+    setup = probe_setup("split_count_probe")
+    if setup is None:
         return 2
-    os.environ.setdefault("KVPATCH_MODE", "gather")
-    rt = load_runtime()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    rt, gen, ws = setup
     pool = make_pool(1 << 20, gen)
     pool16 = pool.to(BF16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -20,8 +20,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_attention import load_runtime, make_pool  # noqa: E402
-from bench_fused import measure, batch  # noqa: E402
+from bench_attention import make_pool  # noqa: E402
+from bench_fused import batch, measure, probe_setup  # noqa: E402
 
 WGMMA = {
     "large": [dict(block_m=64, block_n=32, num_warps=8, num_stages=2, qk_acc=2),
@@ -34,13 +34,10 @@ SHAPES = {"large": [(128, 8, 4096, 1), (128, 32, 4096, 1), (16, 32, 4096, 4), (1
 
 
 def main():
-    if not torch.cuda.is_available():
-        print("wgmma_probe: no CUDA device", file=sys.stderr)
+    setup = probe_setup("wgmma_probe")
+    if setup is None:
         return 2
-    os.environ.setdefault("KVPATCH_MODE", "gather")
-    rt = load_runtime()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    rt, gen, ws = setup
     pool = make_pool(495552, gen)
     pool16 = pool.to(torch.bfloat16)
     for bucket, shapes in SHAPES.items():
