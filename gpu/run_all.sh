@@ -9,7 +9,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
 export FLASHINFER_WORKSPACE_BASE=$PWD/.fi_cache PYTHONUNBUFFERED=1
-python3 -c "import libcst, click, git, flashinfer" 2>/dev/null \
+# GitPython by find_spec: importing it also wants a git binary, which a step may not need.
+python3 -c "import importlib.util as u, libcst, click, flashinfer; assert u.find_spec('git')" 2>/dev/null \
   || { echo "the carried .whl lacks a wheel (libcst, click, GitPython, flashinfer): run gpu/fetch_wheels.sh here first"; exit 1; }
 steps=${*:-"info rt_tests gather verify vtests attention"}
 rc=0
