@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_attention import make_pool  # noqa: E402
-from bench_fused import batch, measure, probe_setup  # noqa: E402
+from bench_fused import _compiled_info, batch, measure, probe_setup  # noqa: E402
 
 WGMMA = {
     "large": [dict(block_m=64, block_n=32, num_warps=8, num_stages=2, qk_acc=2),
@@ -53,10 +53,9 @@ def main():
                     c = dict(base, **cfg, ctas_per_sm=ctas)
                     try:
                         r = measure(rt, rt, ws, pool, None, b, 1.0, c, paths=("fused",))
-                        k = rt._fused_last.get("split")
                         print(f"    {cfg} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "
-                              f"err {r['fused_err']:.1e}, det {r['fused_deterministic']}, "
-                              f"regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')})", flush=True)
+                              f"err {r['fused_err']:.1e}, det {r['fused_deterministic']}, {_compiled_info(rt)})",
+                              flush=True)
                     except Exception as exc:
                         print(f"    {cfg} ctas {ctas}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             del b

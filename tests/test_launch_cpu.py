@@ -179,14 +179,19 @@ class LauncherKernel(Kernel):
         return launch
 
 
-@pytest.mark.parametrize("version,scratch,want", [("3.6.0", 0, "c launch"), ("3.6.0", 256, "run"),
-                                                   ("3.5.1", 0, "run")])
-def test_the_c_launch_is_called_directly_only_where_the_launcher_adds_nothing(
-        rt, fake_triton, monkeypatch, version, scratch, want):
+def _triton_release(monkeypatch, version):
+    """`import triton` inside the runtime gets a module of this version (no real one needed)."""
     import sys
     import types
 
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=version))
+
+
+@pytest.mark.parametrize("version,scratch,want", [("3.6.0", 0, "c launch"), ("3.6.0", 256, "run"),
+                                                   ("3.5.1", 0, "run")])
+def test_the_c_launch_is_called_directly_only_where_the_launcher_adds_nothing(
+        rt, fake_triton, monkeypatch, version, scratch, want):
+    _triton_release(monkeypatch, version)
     k = LauncherKernel(scratch)
     x = torch.zeros(8)
     for _ in range(2):
@@ -198,10 +203,7 @@ def test_the_c_launch_is_called_directly_only_where_the_launcher_adds_nothing(
 
 
 def test_a_c_launch_that_refuses_its_arguments_falls_back_to_the_launcher(rt, fake_triton, monkeypatch):
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    _triton_release(monkeypatch, "3.6.0")
     k = LauncherKernel()
     refused = []
 

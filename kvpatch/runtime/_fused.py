@@ -198,6 +198,7 @@ def fused_mla(
         spec = (plan["ident"], not p_ckv & 15, not p_kpe & 15)
         # The pointers as ints once the binary is cached: only for CUDA tensors, which
         # Triton's launcher would have checked (a CPU tensor gets its error from there).
+        # kv_buffer's device is in the plan key: a CPU pool's plan never launched.
         if (
             plan["flat"]
             and q_nope.is_cuda
