@@ -35,6 +35,8 @@ for s in $steps; do
     fused_table) python3 benchmarks/bench_fused.py --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     probe) python3 gpu/overhead_probe.py --json "$OUT/overhead_probe.json" 2>&1 | tee "$OUT/overhead_probe.log" ;;
     wgmma) python3 gpu/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log" ;;
+    stages) python3 -m pytest -q -ra tests/gpu/test_fused_gpu.py -k "double_buffered or transposed_read" 2>&1 | tee "$OUT/stages_tests.log";
+            python3 gpu/stages_probe.py 2>&1 | tee "$OUT/stages_probe.log" ;;
     splits) python3 gpu/split_count_probe.py 2>&1 | tee "$OUT/split_count.log" ;;
     step_sweep) python3 gpu/sweep_step.py --json "$OUT/sweep_step.json" 2>&1 | tee "$OUT/sweep_step.log" ;;
     profile) for c in '{}'; do
@@ -42,6 +44,9 @@ for s in $steps; do
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                  --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats \
                  python3 gpu/profile_fused.py "$c" 2>&1 | tee -a "$OUT/profile_fused.log"; done ;;
+    profile_full) for c in '{}' '{"block_n": 32, "num_stages": 5}'; do
+               ncu --clock-control none -k regex:_fused_split --launch-skip 3 --launch-count 1 --set full \
+                 --print-details all python3 gpu/profile_fused.py "$c" 2>&1 | tee -a "$OUT/profile_full.log"; done ;;
     host_times) python3 benchmarks/bench_fused.py --host-only --json "$OUT/host_times.json" 2>&1 | tee "$OUT/host_times.log" ;;
     host) python3 gpu/host_profile.py 2>&1 | tee "$OUT/host_profile.log" ;;
     attention) python3 benchmarks/bench_attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.log" ;;

@@ -368,11 +368,12 @@ def test_cached_launch_matches_the_triton_launch_and_respecialises():
 
 
 @pytest.mark.parametrize("f16", [True, False])
-@pytest.mark.parametrize("v_early", [0, 1, 2])
+@pytest.mark.parametrize("v_early", [0, 1, 2, 3])
 def test_v_converted_before_its_transposed_read(f16, v_early):
     """pv_asm: V converted to 16 bits in registers (inline cvt) and read with ldmatrix.trans;
     v_early 1 loads its bytes before the QK dots, 2 takes them from QK's own load (one
-    read a row). The same fp32-reference check as every path, with draft tokens and causal."""
+    read a row), 3 from QK's staged tile after the QK dots. The same fp32-reference check
+    as every path, with draft tokens and causal."""
     lens = [4, 77, 4096, 513]
     pool = fp8_pool(40_000)
     perm, indptr = indptr_batch(lens, 40_000)
@@ -383,3 +384,27 @@ def test_v_converted_before_its_transposed_read(f16, v_early):
     assert ok(out, ref), rel_err(out, ref)
     again = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, q_per_request=4, causal=True, config=cfg)
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("heads,tq,cfg", [
+    (16, 1, dict(block_m=16, block_n=32, num_warps=4, num_stages=5, v_early=3)),
+    (16, 1, dict(block_m=16, block_n=32, num_warps=8, num_stages=5, v_early=3)),
+    (16, 1, dict(block_m=16, block_n=16, num_warps=4, num_stages=5, maxnreg=128)),
+    (128, 1, dict(block_m=32, block_n=16, num_warps=4, num_stages=5, v_early=3)),
+    (16, 4, dict(block_m=32, block_n=32, num_warps=8, num_stages=5, v_early=3)),
+], ids=["bn32w4", "bn32w8", "bn16cap", "128h", "draft4"])
+def test_double_buffered_rows(heads, tq, cfg):
+    """num_stages 5: two shared buffers a row load, the next tile's copies in flight during the
+    dots (gpu/stages_probe.py). Requests shorter than the pipeline's depth (a draft window, 33 rows: the
+    prologue's masked copies) and splits ending mid-tile: the fp32-reference check
+    and bit-equality over two runs."""
+    lens = [tq, tq + 3, 33, 4096, 513, 2000]
+    pool = fp8_pool(40_000)
+    perm, indptr = indptr_batch(lens, 40_000)
+    qn, qp = queries(len(lens) * tq, heads)
+    full = dict(RT.FUSED_TUNING["small" if heads * tq <= 16 else "large"], **cfg)
+    kw = dict(kv_indptr=indptr, kv_indices=perm, q_per_request=tq, causal=tq > 1, config=full)
+    out = run(qn, qp, pool, **kw)
+    ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), tq, tq > 1)
+    assert ok(out, ref), rel_err(out, ref)
+    assert torch.equal(out, run(qn, qp, pool, **kw))

@@ -1,0 +1,84 @@
+"""Double-buffered row loads: the fused kernel at num_stages 5 against the committed tuning.
+
+tools/fused_aot.py --dump shows why the committed kernel is latency-bound within a CTA: with
+the row loads one indirection below the page index, Triton's pipeliner gives them the dots'
+own stage at num_stages 2 to 4 (one shared buffer each; `async_wait {num = 0}` at the top of
+the loop, the next tile's copies issued after the last dot), so a CTA never computes while its
+own loads fly. From num_stages 5 each row load gets two buffers and the wait leaves one
+iteration's copies in flight (`async_wait {num = 11}`). v_early 3 gives the PV reload QK's
+eviction hint: one global read a row (7 staged tiles a step instead of 8). Every sweep before
+this one stopped at num_stages 4.
+
+Times each candidate on the bucket's shapes against the committed tuning and FlashInfer's bf16
+kernel on a bf16 pool, in one run, with each candidate's error against the fp32 reference on
+the first requests and a bit-equality check over two runs. Prints only.
+
+    python gpu/stages_probe.py [small|large ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_attention import make_pool  # noqa: E402
+from bench_fused import _compiled_info, batch, measure, probe_setup  # noqa: E402
+
+# (candidate, grid targets as CTAs an SM); registers and shared memory from fused_aot.py.
+# GPU run 33 (notes/stages_probe.h100.log) swept num_stages 5 with block_n 16/32/64, 4 and 8
+# warps, v_early 3 left to CSE (it merged one chunk of four): none beat the committed kernel by
+# more than 6% on any 16-head shape, 8 warps lost 20-50%, and every large-bucket candidate lost.
+# Run 34: v_early 3 as one load a chunk (two shared-memory reads, one global), against the
+# same kernel with a second, L2-served load.
+CANDIDATES = {
+    "small": [
+        (dict(block_n=32, num_stages=5), (2,)),  # 194 regs, 98 KB
+        (dict(block_n=32, num_stages=5, v_early=3), (2, 3)),  # 189 regs, 65 KB
+        (dict(block_n=32, num_stages=2, v_early=3), (2, 3)),
+        (dict(block_n=32, num_stages=2), (2,)),
+    ],
+    "large": [
+        (dict(block_m=32, block_n=32, num_stages=5, v_early=3, qk_acc=2), (2,)),
+    ],
+}
+SHAPES = {
+    "small": [(16, 32, 4096, 1), (16, 8, 4096, 1), (16, 8, 32768, 1)],
+    "large": [(128, 32, 4096, 1)],
+}
+
+
+def main(argv):
+    setup = probe_setup("stages_probe")
+    if setup is None:
+        return 2
+    rt, gen, ws = setup
+    pool = make_pool(495552, gen)
+    pool16 = pool.to(torch.bfloat16)
+    for bucket in argv or list(SHAPES):
+        base = rt.FUSED_TUNING[bucket]
+        for heads, bs, ctx, tq in SHAPES[bucket]:
+            b = batch(pool.shape[0], bs, ctx, heads, tq, gen)
+            r = measure(rt, rt, ws, pool, pool16, b, 1.0, None, paths=("bf16", "fused"))
+            bf16 = r["bf16_us"]
+            print(f"{bucket} {heads}h {bs}x{ctx} tq{tq}: bf16 {bf16:7.1f} us | committed {r['fused_us']:7.1f} "
+                  f"({r['fused_us'] / bf16:.2f}x, err {r['fused_err']:.1e}, {_compiled_info(rt)})", flush=True)
+            for cand, grids in CANDIDATES[bucket]:
+                for ctas in grids:
+                    cfg = dict(base, **cand, ctas_per_sm=ctas)
+                    try:
+                        r = measure(rt, rt, ws, pool, None, b, 1.0, cfg, paths=("fused",))
+                        print(f"    {cand} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "
+                              f"err {r['fused_err']:.1e}, det {r['fused_deterministic']}, {_compiled_info(rt)})",
+                              flush=True)
+                    except Exception as exc:
+                        print(f"    {cand} ctas {ctas}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            del b
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
