@@ -5,9 +5,8 @@ the row loads one indirection below the page index, Triton's pipeliner gives the
 own stage at num_stages 2 to 4 (one shared buffer each; `async_wait {num = 0}` at the top of
 the loop, the next tile's copies issued after the last dot), so a CTA never computes while its
 own loads fly. From num_stages 5 each row load gets two buffers and the wait leaves one
-iteration's copies in flight (`async_wait {num = 11}`). v_early 3 gives the PV reload QK's
-eviction hint: one global read a row (7 staged tiles a step instead of 8). Every sweep before
-this one stopped at num_stages 4.
+iteration's copies in flight (`async_wait {num = 11}`). Every sweep before this one stopped at
+num_stages 4.
 
 Times each candidate on the bucket's shapes against the committed tuning and FlashInfer's bf16
 kernel on a bf16 pool, in one run, with each candidate's error against the fp32 reference on
@@ -29,25 +28,27 @@ from bench_attention import make_pool  # noqa: E402
 from bench_fused import _compiled_info, batch, measure, probe_setup  # noqa: E402
 
 # (candidate, grid targets as CTAs an SM); registers and shared memory from fused_aot.py.
-# GPU run 33 (notes/stages_probe.h100.log) swept num_stages 5 with block_n 16/32/64, 4 and 8
-# warps, v_early 3 left to CSE (it merged one chunk of four): none beat the committed kernel by
-# more than 6% on any 16-head shape, 8 warps lost 20-50%, and every large-bucket candidate lost.
-# Run 34: v_early 3 as one load a chunk (two shared-memory reads, one global), against the
-# same kernel with a second, L2-served load.
+# GPU run 33 (notes/stages_probe.h100.log) swept num_stages 5 with block_n 16/32/64 and 4 or 8
+# warps against the committed tuning; run 34 (notes/stages_probe2.h100.log) added v_early 3 (one
+# global load a latent chunk feeding both dots; commit 8e82420, removed after: 5-40% slower).
+# None beat the committed kernel by more than 6% on any 16-head shape; every large-bucket
+# candidate lost. ncu (run 34, step profile_full): see notes/gpu-runs.md.
 CANDIDATES = {
     "small": [
         (dict(block_n=32, num_stages=5), (2,)),  # 194 regs, 98 KB
-        (dict(block_n=32, num_stages=5, v_early=3), (2, 3)),  # 189 regs, 65 KB
-        (dict(block_n=32, num_stages=2, v_early=3), (2, 3)),
-        (dict(block_n=32, num_stages=2), (2,)),
+        (dict(block_n=32, num_warps=8, num_stages=5), (1,)),  # 146 regs: one CTA an SM
+        (dict(block_n=16, num_stages=5, maxnreg=128), (3,)),  # 128 regs, 58 KB
+        (dict(block_n=64, num_warps=8, num_stages=5), (1,)),  # 152 regs, 178 KB
     ],
     "large": [
-        (dict(block_m=32, block_n=32, num_stages=5, v_early=3, qk_acc=2), (2,)),
+        (dict(block_m=32, block_n=32, num_stages=5, qk_acc=2), (1,)),  # 255 regs, 118 KB
+        (dict(block_m=32, block_n=16, num_stages=5, qk_acc=2), (2,)),  # 255 regs, 77 KB
+        (dict(block_m=64, block_n=32, num_warps=8, num_stages=5, qk_acc=2), (1,)),  # wgmma, 246 regs
     ],
 }
 SHAPES = {
-    "small": [(16, 32, 4096, 1), (16, 8, 4096, 1), (16, 8, 32768, 1)],
-    "large": [(128, 32, 4096, 1)],
+    "small": [(16, 32, 4096, 1), (16, 8, 4096, 1), (16, 1, 4096, 1), (16, 128, 1024, 1), (16, 8, 32768, 1)],
+    "large": [(128, 8, 4096, 1), (128, 32, 4096, 1), (16, 32, 4096, 4), (16, 8, 4096, 8)],
 }
 
 

@@ -11,7 +11,6 @@ alone, and are dropped.
 """
 
 from kvpatch.runtime._fused_ops import (  # globals once _fused_build_ops has run
-    _fused_cvt,
     _fused_amax,
     _fused_build_ops,
     _fused_q,
@@ -115,11 +114,7 @@ def _fused_build():
         # so there the dots take the same bf16 values widened to fp32.
         C: tl.constexpr = D // 4
         # V_EARLY 2 gives V's load QK's hint, so the two loads are one (merged by CSE).
-        # V_EARLY 3: each latent chunk loaded once, its raw bytes feeding both QK's convert
-        # and PV's inline cvt (one read a row, written as one load, not left to CSE).
-        V_HINT: tl.constexpr = "evict_last" if V_EARLY >= 2 else "evict_first"
-        EARLY: tl.constexpr = V_EARLY >= 1
-        SHARED: tl.constexpr = V_EARLY == 3
+        V_HINT: tl.constexpr = "evict_last" if V_EARLY == 2 else "evict_first"
         b = tl.program_id(0)
         s = tl.program_id(1)
         g = tl.program_id(2)
@@ -193,7 +188,7 @@ def _fused_build():
             slot = page * PS + pos % PS
             ok = ok & (slot >= 0) & (slot < n_slots)  # never read outside the pool
             row = kv + slot[:, None] * stride_kv
-            if EARLY:
+            if V_EARLY:
                 v0 = _fused_vraw(row, c, ok, V_HINT)
                 v1 = _fused_vraw(row, C + c, ok, V_HINT)
                 v2 = _fused_vraw(row, 2 * C + c, ok, V_HINT)
@@ -203,24 +198,11 @@ def _fused_build():
             # in full at small batch; two halve the chain. (Four fold back to two: Triton
             # turns add(dot(a, b, 0), c) into dot(a, b, c).)
             qa = tl.dot(
-                q0,
-                tl.trans(
-                    (
-                        _fused_cvt(v0, DOT_F32, F16)
-                        if SHARED
-                        else _fused_rows(row, c, ok, DOT_F32, "evict_last", F16)
-                    )
-                ),
+                q0, tl.trans(_fused_rows(row, c, ok, DOT_F32, "evict_last", F16))
             )
             qa = tl.dot(
                 q1,
-                tl.trans(
-                    (
-                        _fused_cvt(v1, DOT_F32, F16)
-                        if SHARED
-                        else _fused_rows(row, C + c, ok, DOT_F32, "evict_last", F16)
-                    )
-                ),
+                tl.trans(_fused_rows(row, C + c, ok, DOT_F32, "evict_last", F16)),
                 qa,
             )
             qb = qa
@@ -228,24 +210,12 @@ def _fused_build():
                 qb = tl.zeros_like(qa)
             qb = tl.dot(
                 q2,
-                tl.trans(
-                    (
-                        _fused_cvt(v2, DOT_F32, F16)
-                        if SHARED
-                        else _fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_last", F16)
-                    )
-                ),
+                tl.trans(_fused_rows(row, 2 * C + c, ok, DOT_F32, "evict_last", F16)),
                 qb,
             )
             qk = tl.dot(
                 q3,
-                tl.trans(
-                    (
-                        _fused_cvt(v3, DOT_F32, F16)
-                        if SHARED
-                        else _fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_last", F16)
-                    )
-                ),
+                tl.trans(_fused_rows(row, 3 * C + c, ok, DOT_F32, "evict_last", F16)),
                 qb,
             )
             if QK_ACC == 2:
@@ -279,8 +249,8 @@ def _fused_build():
                 pb,
                 (
                     _fused_vcvt(v0, F16)
-                    if EARLY
-                    else _fused_vrows(row, c, ok, DOT_F32, F16, PV_ASM, V_HINT)
+                    if V_EARLY
+                    else _fused_vrows(row, c, ok, DOT_F32, F16, PV_ASM)
                 ),
                 acc0 * alpha[:, None],
             )
@@ -288,8 +258,8 @@ def _fused_build():
                 pb,
                 (
                     _fused_vcvt(v1, F16)
-                    if EARLY
-                    else _fused_vrows(row, C + c, ok, DOT_F32, F16, PV_ASM, V_HINT)
+                    if V_EARLY
+                    else _fused_vrows(row, C + c, ok, DOT_F32, F16, PV_ASM)
                 ),
                 acc1 * alpha[:, None],
             )
@@ -297,8 +267,8 @@ def _fused_build():
                 pb,
                 (
                     _fused_vcvt(v2, F16)
-                    if EARLY
-                    else _fused_vrows(row, 2 * C + c, ok, DOT_F32, F16, PV_ASM, V_HINT)
+                    if V_EARLY
+                    else _fused_vrows(row, 2 * C + c, ok, DOT_F32, F16, PV_ASM)
                 ),
                 acc2 * alpha[:, None],
             )
@@ -306,8 +276,8 @@ def _fused_build():
                 pb,
                 (
                     _fused_vcvt(v3, F16)
-                    if EARLY
-                    else _fused_vrows(row, 3 * C + c, ok, DOT_F32, F16, PV_ASM, V_HINT)
+                    if V_EARLY
+                    else _fused_vrows(row, 3 * C + c, ok, DOT_F32, F16, PV_ASM)
                 ),
                 acc3 * alpha[:, None],
             )

@@ -15,7 +15,7 @@ alone, and are dropped.
 def _fused_build_ops(triton, tl):
     """Define the kernels' device functions as module globals: Triton resolves the names a
     kernel calls in the kernel's module, so they cannot stay local to a builder."""
-    global _fused_rows, _fused_cvt, _fused_vrows, _fused_vraw, _fused_vcvt, _fused_q, _fused_amax
+    global _fused_rows, _fused_vrows, _fused_vraw, _fused_vcvt, _fused_q, _fused_amax
 
     @triton.jit
     def _fused_rows(
@@ -24,10 +24,6 @@ def _fused_build_ops(triton, tl):
         x = tl.load(
             row + cols[None, :], mask=ok[:, None], other=0.0, eviction_policy=EVICT
         )
-        return _fused_cvt(x, DOT_F32, F16)
-
-    @triton.jit
-    def _fused_cvt(x, DOT_F32: tl.constexpr, F16: tl.constexpr):
         if F16:
             x = x.to(
                 tl.float16
@@ -40,13 +36,7 @@ def _fused_build_ops(triton, tl):
 
     @triton.jit
     def _fused_vrows(
-        row,
-        cols,
-        ok,
-        DOT_F32: tl.constexpr,
-        F16: tl.constexpr,
-        PV_ASM: tl.constexpr,
-        EVICT: tl.constexpr,
+        row, cols, ok, DOT_F32: tl.constexpr, F16: tl.constexpr, PV_ASM: tl.constexpr
     ):
         # The PV operand V is [positions, latent]: for the dot it must be read transposed,
         # which ldmatrix does for 16-bit values only, so FP8 kept in shared memory is read
@@ -58,7 +48,7 @@ def _fused_build_ops(triton, tl):
                 row + cols[None, :],
                 mask=ok[:, None],
                 other=0.0,
-                eviction_policy=EVICT,
+                eviction_policy="evict_first",
             )
             x = tl.inline_asm_elementwise(
                 "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
@@ -72,7 +62,7 @@ def _fused_build_ops(triton, tl):
             if not F16:
                 x = x.to(tl.bfloat16)  # exact: every e4m3 value is a bf16 value
         else:
-            x = _fused_rows(row, cols, ok, DOT_F32, EVICT, F16)
+            x = _fused_rows(row, cols, ok, DOT_F32, "evict_first", F16)
         return x
 
     @triton.jit
@@ -81,7 +71,7 @@ def _fused_build_ops(triton, tl):
         # QK dots. With QK's own hint (V_EARLY=2) the load is QK's, merged: one read a row.
         return tl.load(
             row + cols[None, :], mask=ok[:, None], other=0.0, eviction_policy=EVICT
-        )
+        ).to(tl.uint8, bitcast=True)
 
     @triton.jit
     def _fused_vcvt(x, F16: tl.constexpr):
@@ -89,7 +79,7 @@ def _fused_build_ops(triton, tl):
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
             "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r",
-            [x.to(tl.uint8, bitcast=True)],
+            [x],
             dtype=tl.float16,
             is_pure=False,
             pack=4,
