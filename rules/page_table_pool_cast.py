@@ -167,6 +167,7 @@ class FlashAttentionBackend:
             status="hot",
             why="XPU decode (SGLang HEAD to 0.5.23): sgl-kernel's flash_mla_decode takes the lengths and the table "
                 "by position (q_nope, q_pe, cache, seq_lens, page_table, ...)",
+            preempted_by="KVP108",  # routed: each call brings its own table
         ),
         Invalid(
             XPU_PREFILL,
@@ -180,6 +181,7 @@ class FlashAttentionBackend:
                       .replace("        return", "        lens = self.lengths_of(metadata)\n        return"),
             status="unsupported",
             why="the lengths are computed by a call after the cast: running it at the cast too could do more",
+            preempted_by="KVP108",  # routed: the call reads its lengths when it runs
         ),
         Invalid(
             XPU_DECODE.replace("flash_mla_decode(", "other_mla_decode("),

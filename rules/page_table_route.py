@@ -38,8 +38,9 @@ from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, R
 from kvpatch.sites import HOT
 
 from ._page_table_examples import FA3_DECODE, RT
+from ._routed import ROUTED_CAST_FN
 
-ROUTED_CAST = '''        kv_cache = _kvpatch_rt.kv_for_routed_kernel(
+ROUTED_CAST = f'''        kv_cache = _kvpatch_rt.{ROUTED_CAST_FN}(
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             q.dtype,
         )
@@ -70,7 +71,7 @@ class PageTableRoute(Rule):
     SUMMARY = "FA3 absorbed-MLA call on a full-pool cast -> runtime-routed call (fused FP8 attention or gathered pages)"
     KIND = "cast"
     PRIORITY = 15  # before KVP103: a site both can rewrite is routed
-    EMITS = ("kv_for_routed_kernel", "paged_attention")
+    EMITS = (ROUTED_CAST_FN, "paged_attention")
     CHECKED_ON = ("sglang 4ad990ba7 (2026-08-06)", "sglang 0.5.16", "sglang 0.5.23")
 
     VALID = (
@@ -120,7 +121,7 @@ class FlashAttentionBackend:
             FA3_ONE_LINE,
             expected=RT + FA3_ONE_LINE.replace(
                 "kv_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).to(q.dtype)  # FP8 -> bf16",
-                "kv_cache = _kvpatch_rt.kv_for_routed_kernel(\n"
+                f"kv_cache = _kvpatch_rt.{ROUTED_CAST_FN}(\n"
                 "            self.token_to_kv_pool.get_key_buffer(layer.layer_id),\n"
                 "            q.dtype,\n"
                 "        )  # FP8 -> bf16").replace("return flash_attn_with_kvcache(q=q[..., 512:]",

@@ -129,7 +129,7 @@ def test_color_flags(example):
 def test_rules_command():
     r = run("rules", "--json")
     rules = json.loads(r.output)
-    assert {x["id"] for x in rules} == {"KVP101", "KVP102", "KVP103", "KVP104", "KVP105", "KVP106", "KVP107", "KVP201"}
+    assert {x["id"] for x in rules} == {"KVP101", "KVP102", "KVP103", "KVP104", "KVP105", "KVP106", "KVP107", "KVP108", "KVP201"}
     assert all(x["examples"]["invalid"] >= 1 for x in rules)
     assert "KVP101" in run("rules").output
 

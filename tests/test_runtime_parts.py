@@ -77,3 +77,23 @@ def test_the_modes_verify_drives_are_the_runtimes():
                  if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_MODES" for t in n.targets))
     assert {MODE_AUTO, MODE_FUSED, MODE_GATHER, MODE_NATIVE} <= set(modes)
     assert f'os.environ.get("{MODE_ENV}"' in src
+
+
+def _runtime_constant(part, name):
+    tree = ast.parse((Path(R.__file__).parent / f"{part}.py").read_text(encoding="utf-8"))
+    return next(ast.literal_eval(n.value) for n in tree.body
+                if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == name for t in n.targets))
+
+
+def test_the_routed_signatures_are_the_analysis_ones():
+    """kvpatch/analysis/pagedcall.py binds sgl-kernel's flash_mla_decode by its parameter
+    order, and the runtime's paged_mla binds the routed call by its own copy (the runtime
+    imports nothing of kvpatch). A parameter moved in one and not the other would hand the
+    table to the lengths: they must agree, and the rule must emit the runtime's entry."""
+    from kvpatch.analysis.pagedcall import PAGED_KERNELS, ROUTABLE_PAGED_KERNELS
+    from kvpatch.rule import load_rules
+
+    assert ROUTABLE_PAGED_KERNELS == ("flash_mla_decode",)
+    assert _runtime_constant("_paged_mla", "_PM_PARAMS") == PAGED_KERNELS["flash_mla_decode"]
+    emitted = {name for rule in load_rules() for name in getattr(rule, "EMITS", ())}
+    assert "paged_mla" in emitted and "paged_mla" in _runtime_constant("_modes", "__all__")

@@ -1,9 +1,11 @@
 """kvpatch verify drives the FA3 family's ports, CPU path, each as its own class:
 MUSA's MusaFlashAttentionBackend (a subclass of FA3's FlashAttentionBackend with its
 own forwards and its own flash_attn_interface wrapper) and XPU's XPUAttentionBackend
-(its own class; extend and decode rewritten, decode's sgl-kernel flash_mla_decode served by
-the same torch reference as FA3, fa3_reference.flash_mla_decode). Hand-written fixtures under tests/data/musa and tests/data/xpu,
-and the mirror's HEAD where it is checked out."""
+(its own class: extend's flash_attn_with_kvcache routed by KVP106, decode's sgl-kernel
+flash_mla_decode routed by KVP108 through its positional signature, `paged_mla`; both kernels
+served by the same torch reference, fa3_reference). Verify runs the routed calls gathered
+(bit-identical) and reports the fused path as not run on the CPU. Hand-written fixtures under
+tests/data/musa and tests/data/xpu, and the mirror's HEAD where it is checked out."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ torch = pytest.importorskip("torch")
 from kvpatch.cli.commands import main  # noqa: E402
 from kvpatch.verify import run_verify  # noqa: E402
 from test_verify_fa3 import (  # noqa: E402
-    CHECKOUTS_ENV, LOCAL_HEAD, ROUTED_ONE_TABLE, ROUTED_SHORT, failures_text)
+    CHECKOUTS_ENV, LOCAL_HEAD, ROUTED_ONE_TABLE, ROUTED_SHORT, _wrap_pages, failures_text)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,13 +84,57 @@ def _xpu_root(tmp_path, runtime_text=None):
 
 
 def test_xpu_extend_and_decode_verify(tmp_path):
-    r = run_verify(_xpu_root(tmp_path), device="cpu", quick=True)
+    root = _xpu_root(tmp_path)
+    text = (root / "python" / XPU_REL).read_text()
+    assert "_kvpatch_rt.paged_attention(\n            flash_attn_with_kvcache," in text  # extend: KVP106
+    assert "_kvpatch_rt.paged_mla(\n            flash_mla_decode," in text  # decode: KVP108
+    assert "kv_pages_for_kernel(" not in text
+    r = run_verify(root, modes=("gather", "fused"), device="cpu", quick=True)
     assert r.ok, r.format()
     extend = [c for c in r.cases if c.qualname == XPU_EXTEND]
     assert extend and all(c.passed for c in extend)
     assert {c.route for c in extend} >= {"prefill", "target_verify:cascade"}
     decode = [c for c in r.cases if c.qualname == XPU_DECODE]
-    assert decode and all(c.passed for c in decode), r.format()  # flash_mla_decode, rewritten by its signature
+    assert decode and all(c.passed for c in decode), r.format()  # flash_mla_decode, routed by its signature
+    assert {c.exec for c in decode} == {"eager", "replay"} and all(c.kv_path == "gather" for c in decode)
+    for ps in (1, 64):
+        assert any(f"page_size={ps} " in c.batch for c in decode)
+    # The fused path needs CUDA: on the CPU it is reported as not run, never as passed.
+    assert "fused path not run" in r.reason and not [c for c in r.cases if c.mode == "fused"]
+
+
+# Sabotage of the routed decode call alone: page_cast misbehaves only when paged_mla calls it.
+PAGED_MLA_SHORT = _wrap_pages('''
+import sys as _kvverify_sys
+
+
+def page_cast(src, dst, page_table, seqlens, page_size, **kw):
+    # Sabotage: a routed paged MLA decode call's pages are cast for seq_lens - 1 tokens.
+    if _kvverify_sys._getframe(1).f_code.co_name == "paged_mla" and seqlens is not None:
+        seqlens = (seqlens - 1).clamp(min=0)
+    return _kvverify_page_cast(src, dst, page_table, seqlens, page_size, **kw)
+''')
+PAGED_MLA_TABLE = _wrap_pages('''
+import sys as _kvverify_sys
+
+
+def page_cast(src, dst, page_table, seqlens, page_size, **kw):
+    # Sabotage: a routed paged MLA decode call's pages are cast from another request's row.
+    if _kvverify_sys._getframe(1).f_code.co_name == "paged_mla":
+        page_table = page_table.roll(1, 0)
+    return _kvverify_page_cast(src, dst, page_table, seqlens, page_size, **kw)
+''')
+
+
+@pytest.mark.parametrize("runtime_text", [PAGED_MLA_SHORT, PAGED_MLA_TABLE], ids=["seq_lens_minus_1", "wrong_table"])
+def test_xpu_routed_decode_sabotage_fails_naming_the_decode_site(tmp_path, runtime_text):
+    r = run_verify(_xpu_root(tmp_path, runtime_text), device="cpu", quick=True)
+    assert not r.ok
+    assert r.failures and {c.qualname for c in r.failures} == {XPU_DECODE}, failures_text(r)
+    assert all(c.passed for c in r.cases if c.qualname == XPU_EXTEND)
+    assert "NaN: a page the kernel reads was not cast" in failures_text(r)
+    if runtime_text is PAGED_MLA_SHORT:  # at page size 1 every request's last token is missed
+        assert any("page_size=1 " in c.batch for c in r.failures)
 
 
 def test_xpu_page_short_fails_naming_both_sites(tmp_path):
@@ -102,6 +148,9 @@ def test_real_sglang_xpu_extend_verifies(tmp_path):
     base = Path(os.environ.get(CHECKOUTS_ENV, "").split(os.pathsep)[0] or LOCAL_HEAD)
     if not (base / "python" / XPU_REL).is_file():
         pytest.skip(f"no SGLang checkout with {XPU_REL}: set {CHECKOUTS_ENV}=/path/to/sglang")
-    r = run_verify(_checkout(base, tmp_path, rel=XPU_REL, sites=1), device="cpu", quick=True)
+    root = _checkout(base, tmp_path, rel=XPU_REL, sites=1)
+    r = run_verify(root, device="cpu", quick=True)
     assert r.ok, r.format()
     assert [c for c in r.cases if c.qualname == XPU_EXTEND and c.passed]
+    if "_kvpatch_rt.paged_mla(" in (root / "python" / XPU_REL).read_text():  # decode routed by KVP108
+        assert [c for c in r.cases if c.qualname == XPU_DECODE and c.passed], r.format()

@@ -80,12 +80,15 @@ def test_release_verifies(tmp_path_factory, monkeypatch, version):
         expect.add(("draft_extend:eagle", "eager"))
     assert expect <= ran, r.format()
     assert not r.failures and not r.errors
-    # XPU's sgl-kernel paged MLA sites (decode from 0.5.16, extend's flash_mla_prefill in
-    # 0.5.23) are rewritten through the kernels' signatures and verified like FA3's.
+    # XPU's sgl-kernel paged MLA sites (decode from 0.5.16, routed by KVP108 through
+    # paged_mla; extend's flash_mla_prefill from 0.5.20, KVP103's page cast) are rewritten
+    # through the kernels' signatures and verified like FA3's.
     xpu = (Path(r.root) / "sglang" / XPU_IN_PACKAGE).read_text()
-    for kernel, method in (("flash_mla_decode(", "forward_decode"), ("flash_mla_prefill(", "forward_extend")):
+    routed = "_kvpatch_rt.paged_mla(\n                flash_mla_decode,"  # the patched decode call
+    for kernel, method in ((routed, "forward_decode"), ("flash_mla_prefill(", "forward_extend")):
         if kernel in xpu:
             assert f"XPUAttentionBackend.{method}" in {c.qualname for c in r.cases if c.passed}, r.format()
+    assert "flash_mla_decode(" not in xpu and (routed in xpu) == ("flash_mla_decode" in xpu)
     # What did not run says why, and is never counted as passed.
     assert all(c.message for c in r.skipped)
 

@@ -54,6 +54,11 @@ RAGGED_KERNELS: Dict[str, tuple] = {
 # that marks the call it serves: FA3's absorbed-MLA form, the latent cache as v_cache and
 # the latent query as qv.
 ROUTABLE_KERNELS: Dict[str, str] = {"flash_attn_with_kvcache": "qv"}
+# PAGED_KERNELS whose whole call the runtime can serve (runtime paged_mla): decode, one
+# query token a request, which the fused FP8 attention computes, else the pages of the
+# call's own table cast and the kernel run on them. flash_mla_prefill is not among them:
+# its ragged, causal queries are not the fused path's contract, so KVP103 casts its pages.
+ROUTABLE_PAGED_KERNELS = ("flash_mla_decode",)
 # The view methods a routed call's caches may pass through (with tensorops.VIEW_FUNCTIONS):
 # each keeps a view of the pool (no copy), so the runtime can recover the pool from the
 # two caches.

@@ -16,6 +16,7 @@ self-contained module ``apply`` writes next to each patched backend as
     _fused      its launcher (fused_mla), tuning and scratch
     _route      routed kernel calls: the fused path, or the gather and the original kernel
     _mla_route  routed FlashInfer MLA run() calls (mla_run): fused, native or gathered
+    _paged_mla  routed sgl-kernel paged MLA decode calls (paged_mla, XPU): fused or gathered
     _reset      the test hooks
 
 A part keeps what lies between its ``# -- joined from here --`` line (or its start) and
@@ -37,7 +38,7 @@ from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE,
 __all__ = ["PARTS", "RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
 
 PARTS = ("_modes", "_launch", "_dispatch", "_gather", "_kernels", "_pages", "_sparse", "_fused_ops", "_fused_kernels",
-         "_fused", "_route", "_mla_route", "_reset")
+         "_fused", "_route", "_mla_route", "_paged_mla", "_reset")
 _HERE = Path(__file__).resolve().parent
 _FROM = "# -- joined from here --\n"
 _UP_TO = "# -- joined up to here --\n"

@@ -17,10 +17,11 @@ import re
 
 import torch
 
+# 6: routed sgl-kernel paged MLA decode calls (paged_mla: XPU's flash_mla_decode)
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "5"
+__kvpatch_runtime_version__ = "6"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "paged_attention",
     "kv_for_mla_run",
     "mla_run",
+    "paged_mla",
     "kv_rows_deferred",
     "kv_rows_at_kernel",
     "FUSED_TUNING",
@@ -257,3 +259,4 @@ from kvpatch.runtime._route import (
 )
 from kvpatch.runtime._sparse import kv_rows_at_kernel, kv_rows_deferred
 from kvpatch.runtime._mla_route import kv_for_mla_run, mla_run
+from kvpatch.runtime._paged_mla import paged_mla

@@ -1,9 +1,13 @@
-"""Verify the page-table family (KVP103): FA3/FA4 ``FlashAttentionBackend``'s absorbed MLA.
+"""Verify the page-table family (KVP103, and the calls KVP106 and KVP108 route): FA3/FA4
+``FlashAttentionBackend``'s absorbed MLA and its ports (MUSA; XPU, whose decode calls
+sgl-kernel's positional ``flash_mla_decode``).
 
 Both sides (the checkout's original file and its patched one) run their own
 ``forward_decode`` and ``forward_extend`` on one random FP8 pool, with
-``fa3_reference`` standing in for sgl-kernel's ``flash_attn_with_kvcache`` and
-``merge_state_v2``. The metadata the backend reads (``forward_metadata``:
+``fa3_reference`` standing in for sgl-kernel's ``flash_attn_with_kvcache``,
+``flash_mla_decode``/``flash_mla_prefill`` and ``merge_state_v2``. A routed call
+(``paged_attention``, ``paged_mla``) runs gathered, and fused where the mode asks for it on
+CUDA (counted through ``fused_mla``; on the CPU the fused path is reported as not run). The metadata the backend reads (``forward_metadata``:
 ``page_table``, ``cache_seqlens_int32``, ``cu_seqlens_q``; and the cascade call's
 ``forward_metadata_spec_decode_expand``) is built here as SGLang's
 ``init_forward_metadata`` leaves it: requests on scattered pages, prefix pages
@@ -149,7 +153,7 @@ class FA3Side:
                                 q_rope=case.q_pe if q_pe is None else q_pe, k_rope=None),
                        what=f"{self.cls_name}.forward_{'decode' if kind == DECODE else 'extend'}")
         o = o[0] if isinstance(o, tuple) else o
-        if not isinstance(o, torch.Tensor):  # a kernel served by a stub (XPU's flash_mla_decode)
+        if not isinstance(o, torch.Tensor):  # a kernel served by a stub, not by fa3_reference
             raise HarnessError(f"{self.cls_name}.{name} returned {type(o).__name__}, not a tensor: "
                                "the kernel it calls on this path has no reference in verify")
         return o

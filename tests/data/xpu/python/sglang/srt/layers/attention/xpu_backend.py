@@ -1,9 +1,10 @@
 """XPU-shaped absorbed-MLA backend for the verify tests (hand-written, not SGLang code).
 
 As SGLang's XPU backend does it: its own class (not an FA3 subclass) whose extend is
-FA3-shaped (flash_attn_with_kvcache on pages, rewritten by KVP103) and whose decode
-hands the cast pool to flash_mla_decode positionally (rewritten through its signature;
-verify has no reference for it, so it is skipped).
+FA3-shaped (flash_attn_with_kvcache on pages by keyword, routed by KVP106) and whose
+decode hands the cast pool to sgl-kernel's flash_mla_decode positionally (routed by KVP108
+through its signature: _kvpatch_rt.paged_mla). Verify serves both kernels with
+kvpatch/verify/fa3_reference.py.
 """
 
 import torch
