@@ -229,7 +229,7 @@ def host_calls(rt, fz, gen):
                   cache_seqlens=sl, cu_seqlens_q=b["qo_indptr"], max_seqlen_q=1, softmax_scale=SM_SCALE,
                   causal=False, out=out)
 
-    def no_kernel(**kw):
+    def no_kernel(*a, **kw):
         raise AssertionError("the routed call did not take the fused path")
 
     calls["paged_attention (routed call, fused)"] = lambda: rt.paged_attention(no_kernel, **routed)
@@ -247,6 +247,11 @@ def host_calls(rt, fz, gen):
     pv = pool.view(-1, 1, ROW)
     calls["mla_run (routed run(), fused)"] = lambda: rt.mla_run(w.run, b["q_nope"], b["q_pe"], pv[:, :, :CKV],
                                                                 pv[:, :, CKV:], out=out)
+    # The routed sgl-kernel decode (what KVP108 emits for XPU's flash_mla_decode), fused
+    # path: the signature binding, the pool's geometry, the contract checks + fused_mla
+    # (and the output it allocates, as the kernel does).
+    calls["paged_mla (routed XPU decode, fused)"] = lambda: rt.paged_mla(
+        no_kernel, b["q_nope"], b["q_pe"], pool.view(-1, 1, ROW), sl, pt, None, SM_SCALE, num_kv_splits=1)
     return calls
 
 
