@@ -507,3 +507,49 @@ def test_the_temporary_index_lock_of_a_killed_commit_is_named(tmp_path):
     (tmp_path / "next-index-4242.lock").write_text("")
     with pytest.raises(GitUndoError, match="next-index-4242.lock"):
         _refuse_stale_locks(tmp_path, [("reset", ["reset", "-q", "HEAD"])])
+
+
+# --- an interrupt that lands where Python only reports exceptions ----------------------------
+
+def _interrupt_in_a_weakref_callback(exc):
+    """Raise `exc` where Python swallows it (a weakref callback: importlib's module locks
+    have one, which is where GPU-less CI caught a process-group SIGINT), then run on."""
+    import gc
+    import weakref
+
+    class Obj:
+        pass
+
+    def cb(_):
+        raise exc
+
+    o = Obj()
+    ref = weakref.ref(o, cb)  # noqa: F841 - the callback fires when `o` dies
+    del o
+    gc.collect()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0:  # the command's own code, where it must land again
+        pass
+    return "ran on"
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), write._Interrupted("signal 15")],
+                         ids=["SIGINT", "SIGTERM-while-writing"])
+def test_an_interrupt_swallowed_by_a_callback_is_raised_again(exc, monkeypatch):
+    """Without the hook the interrupt is lost (Python reports it, "Exception ignored in ...",
+    and the command runs on to the end); with it, the interrupt lands in the command's own
+    code and nothing is reported."""
+    from kvpatch.__main__ import redeliver_interrupts
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_value))  # Python's printer
+    old_term = signal.signal(signal.SIGTERM, write._raise_interrupt)
+    try:
+        assert _interrupt_in_a_weakref_callback(exc) == "ran on"  # swallowed
+        assert reported == [exc]
+        reported.clear()
+        with redeliver_interrupts(), pytest.raises(type(exc)):
+            _interrupt_in_a_weakref_callback(exc)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    assert reported == [] and sys.unraisablehook is not None

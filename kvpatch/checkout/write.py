@@ -238,7 +238,10 @@ def _cleanup(root: Path) -> None:
 
 class _Interrupted(KeyboardInterrupt):
     """SIGTERM, raised as an interrupt: the write rolls back and the CLI
-    reports it like Ctrl-C (one line, exit 130) instead of a traceback."""
+    reports it like Ctrl-C (one line, exit 130) instead of a traceback.
+    `signum` lets kvpatch.__main__ raise it again where it was swallowed."""
+
+    signum = signal.SIGTERM
 
 
 def _raise_interrupt(signum, frame):  # pragma: no cover - signal path
