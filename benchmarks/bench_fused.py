@@ -186,7 +186,7 @@ def sweep(rt, fz, ws, pools, bw, gen):
             try:
                 info = ""
                 for ctas in ((1, 2, 3) if base["num_warps"] == 8 else (2, 3, 4)):
-                    cfg = dict(base, ctas_per_sm=ctas, min_split=128)
+                    cfg = dict(base, ctas_per_sm=ctas, min_split=128, gluon=False)  # Triton configs
                     ts = [measure(rt, fz, ws, pools[0], None, b, bw, cfg, paths=("fused",), check=False)["fused_us"]
                           for b in bs_list]
                     info = info or _compiled_info(fz)
@@ -349,7 +349,7 @@ def main(argv=None):
         print("sweep best:", report["sweep_best"], flush=True)
         for bucket, cfg in report["sweep_best"].items():
             if cfg:  # the table below runs with the sweep's best
-                fz.FUSED_TUNING[bucket] = cfg
+                fz.FUSED_TUNING[bucket] = {k: v for k, v in cfg.items() if k != "gluon"}
         if args.only_sweep:
             return 0
     pool16 = pool.to(BF16)

@@ -341,7 +341,6 @@ def main(argv=None):
         print(f"16h {bs}x{ctx}: bf16 {ref_r['bf16_us']:7.1f} us | committed fused {ref_r['fused_us']:7.1f} us "
               f"({ref_r['fused_us'] / ref_r['bf16_us']:.2f}x, err {ref_r['fused_err']:.1e}) | floor "
               f"{bt['rows'] * int(ROW) / bw * 1e6:.1f} us ({bw / 1e12:.2f} TB/s copy)", flush=True)
-        del bt
     return 0 if ok_all else 1
 
 

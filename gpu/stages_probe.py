@@ -69,7 +69,7 @@ def main(argv):
                   f"({r['fused_us'] / bf16:.2f}x, err {r['fused_err']:.1e}, {_compiled_info(rt)})", flush=True)
             for cand, grids in CANDIDATES[bucket]:
                 for ctas in grids:
-                    cfg = dict(base, **cand, ctas_per_sm=ctas)
+                    cfg = dict(base, **cand, ctas_per_sm=ctas, gluon=False)  # the Triton kernel
                     try:
                         r = measure(rt, rt, ws, pool, None, b, 1.0, cfg, paths=("fused",))
                         print(f"    {cand} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "

@@ -45,7 +45,7 @@ def main(argv=None):
           f"default small bucket {rt.FUSED_TUNING['small']}", flush=True)
     shapes = {"step 4x4k x%d layers" % args.layers: (4, 4096, pools, pools16),
               "1x4k": (1, 4096, pools[:1], pools16[:1]), "8x4k": (8, 4096, pools[:1], pools16[:1])}
-    base = dict(rt.FUSED_TUNING["small"])
+    base = dict(rt.FUSED_TUNING["small"], gluon=False)  # Triton configs; None: the default
     # qk_acc 2: two independent QK accumulator chains (16 dependent MMAs a step, not 32), the
     # latency a lone CTA pays in full; deeper pipelines (stages 3, 4) prefetch further ahead.
     configs = [None] + [dict(base, block_n=64, num_stages=2, ctas_per_sm=c, min_split=ms, qk_acc=qa)

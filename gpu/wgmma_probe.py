@@ -50,7 +50,7 @@ def main():
                   f"({r['fused_us'] / bf16:.2f}x, err {r['fused_err']:.1e})", flush=True)
             for cfg in WGMMA[bucket]:
                 for ctas in (1, 2):
-                    c = dict(base, **cfg, ctas_per_sm=ctas)
+                    c = dict(base, **cfg, ctas_per_sm=ctas, gluon=False)  # the Triton kernel
                     try:
                         r = measure(rt, rt, ws, pool, None, b, 1.0, c, paths=("fused",))
                         print(f"    {cfg} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "

@@ -524,9 +524,10 @@ def _interrupt_in_a_weakref_callback(exc):
         raise exc
 
     o = Obj()
-    ref = weakref.ref(o, cb)  # noqa: F841 - the callback fires when `o` dies
+    ref = weakref.ref(o, cb)  # the callback fires when `o` dies (while `ref` lives)
     del o
     gc.collect()
+    assert ref() is None
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.0:  # the command's own code, where it must land again
         pass

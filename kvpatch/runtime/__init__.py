@@ -12,7 +12,9 @@ self-contained module ``apply`` writes next to each patched backend as
     _pages      the page cast (page tables: FA3/FA4, MUSA, XPU)
     _sparse     the deferred cast, cast next to each sparse kernel (NSA class helpers)
     _fused_ops  the fused FP8 MLA attention's device functions (row loads, FP8 conversions)
-    _fused_kernels  its Triton kernels (issue 17)
+    _fused_kernels  its Triton kernels (issue 17), and the grid's split count
+    _fused_gluon_ops  the Gluon split kernel's device functions (operands in MMA layouts)
+    _fused_gluon    its split kernel in Gluon (16 heads, one query token), where Gluon is
     _fused      its launcher (fused_mla), tuning and scratch
     _route      routed kernel calls: the fused path, or the gather and the original kernel
     _mla_route  routed FlashInfer MLA run() calls (mla_run): fused, native or gathered
@@ -38,7 +40,7 @@ from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE,
 __all__ = ["PARTS", "RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
 
 PARTS = ("_modes", "_launch", "_dispatch", "_gather", "_kernels", "_pages", "_sparse", "_fused_ops", "_fused_kernels",
-         "_fused", "_route", "_mla_route", "_paged_mla", "_reset")
+         "_fused_gluon_ops", "_fused_gluon", "_fused", "_route", "_mla_route", "_paged_mla", "_reset")
 _HERE = Path(__file__).resolve().parent
 _FROM = "# -- joined from here --\n"
 _UP_TO = "# -- joined up to here --\n"

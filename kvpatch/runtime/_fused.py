@@ -11,7 +11,12 @@ import os
 
 import torch
 
-from kvpatch.runtime._fused_kernels import _fused_build
+from kvpatch.runtime._fused_kernels import (
+    _fused_build,
+    _fused_sm_count,
+    _fused_split_count,
+)
+from kvpatch.runtime._fused_gluon import _fused_gluon_choice
 from kvpatch.runtime._launch import _launch, _launch_ident
 
 # -- joined from here --
@@ -48,9 +53,8 @@ FUSED_TUNING = {
         "f16": True,
         "pv_asm": True,
     },
-}  # best of the sweeps of GPU runs 16, 18 and 22 (H100, notes/gpu-runs.md): f16 dots, PV by inline
-# asm; small: two QK chains, and splits from 64 positions (since the one-read combine, the
-# small batch's best: 1 x 4k 17.3 us against 21.0 at 128)
+}  # best of GPU runs 16, 18, 22 (H100, notes/gpu-runs.md): f16 dots, PV by inline asm; small:
+# two QK chains, splits from 64 positions (1 x 4k 17.3 us against 21.0 at 128)
 
 # The combine's tile: SB splits x DB columns, at most this many fp32 values (64 registers a
 # thread at 4 warps). Few splits: a program merges a whole row (no more programs than rows,
@@ -58,13 +62,11 @@ FUSED_TUNING = {
 # splits (a small batch): the row in column blocks, all of a block's splits in one read.
 _FUSED_COMBINE_TILE = 8192
 
-_fused_scratch = (
-    {}
-)  # device -> the largest (partial out fp32, partial lse fp32) made so far
+# device -> the largest (partial out fp32, partial lse fp32) made so far
+_fused_scratch = {}
 _fused_plans = {}  # a call's geometry -> its launch plan (see fused_mla)
-_fused_last = (
-    {}
-)  # the compiled kernels of the last call (benchmarks read registers, spills)
+# the compiled kernels of the last call (benchmarks read registers, spills)
+_fused_last = {}
 
 
 def _fused_bucket(m_rows):
@@ -85,20 +87,6 @@ def _fused_scratch_for(device, rows, width):
         )
         _fused_scratch[device] = bufs
     return bufs
-
-
-def _fused_split_count(target, programs, down):
-    """Splits a request gets so the grid (programs x splits) meets target, the lengths
-    unknown on the host. Rounded down (small bucket) the grid stays within one wave of
-    equal programs; rounded up, 128 x 1k at 16 heads launched 3 splits, 384 programs for
-    264 slots (80.5 us against 66.6 for 2; 64 x 8k 298.6 against 198.4: GPU run 24)."""
-    programs = max(1, programs)
-    n = target // programs if down else -(-target // programs)
-    return max(1, min(64, n))
-
-
-def _fused_sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _fused_scale_key(sc):
@@ -291,6 +279,13 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     if not cfg.get("pad_m"):  # pad_m: keep block_m above the rows (wgmma needs M = 64)
         block_m = min(block_m, max(16, 1 << (m_rows - 1).bit_length()))
     groups = -(-m_rows // block_m)
+    # The Gluon kernel where it serves (runtime part _fused_gluon), with its own tuning.
+    gluon = _fused_gluon_choice(
+        (heads, tq, d, dpe, flat, interpret, kv2.device, cfg, n_splits, batch * groups),
+        (page_size, by_indptr, key[18:20]),
+    )
+    if gluon:
+        split_k, cfg, n_splits = gluon[:3]
     if n_splits is None:
         n_splits = _fused_split_count(
             _fused_sm_count(kv2.device) * cfg["ctas_per_sm"],
@@ -311,6 +306,34 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     scratch = _fused_scratch_for(
         kv2.device, 1 if direct else batch * m_rows * n_splits, d
     )
+    has_ckv, has_kpe = ckv_tensor or ckv_t is not None, kpe_tensor or kpe_t is not None
+    if gluon:
+        split_consts = gluon[3]
+    else:
+        split_consts = tuple(
+            dict(
+                H=heads,
+                TQ=tq,
+                D=d,
+                DPE=dpe,
+                PS=int(page_size),
+                BY_INDPTR=by_indptr,
+                CAUSAL=bool(causal) and tq > 1,
+                HAS_CKV_SCALE=has_ckv,
+                HAS_KPE_SCALE=has_kpe,
+                BLOCK_M=block_m,
+                BLOCK_N=cfg["block_n"],
+                DOT_F32=interpret,
+                F16=bool(cfg.get("f16", False)),
+                PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
+                V_EARLY=int(cfg.get("v_early", 0)) if not interpret else 0,
+                QK_ACC=int(cfg.get("qk_acc", 1)),
+                DIRECT=direct,
+                num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+                **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+            ).items()
+        )
     return {
         "ident": ident,
         "bucket": bucket,
@@ -339,30 +362,7 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
             n_splits,
             cfg["min_split"],
         ),
-        "split_consts": tuple(
-            dict(
-                H=heads,
-                TQ=tq,
-                D=d,
-                DPE=dpe,
-                PS=int(page_size),
-                BY_INDPTR=by_indptr,
-                CAUSAL=bool(causal) and tq > 1,
-                HAS_CKV_SCALE=ckv_tensor or ckv_t is not None,
-                HAS_KPE_SCALE=kpe_tensor or kpe_t is not None,
-                BLOCK_M=block_m,
-                BLOCK_N=cfg["block_n"],
-                DOT_F32=interpret,
-                F16=bool(cfg.get("f16", False)),
-                PV_ASM=bool(cfg.get("pv_asm", False)) and not interpret,
-                V_EARLY=int(cfg.get("v_early", 0)) if not interpret else 0,
-                QK_ACC=int(cfg.get("qk_acc", 1)),
-                DIRECT=direct,
-                num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"],
-                **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-            ).items()
-        ),
+        "split_consts": split_consts,
         "combine_k": combine_k,
         "combine_grid": (batch * m_rows, d // comb_db),
         "combine_ints": (out.stride(0), out.stride(1), n_splits, cfg["min_split"]),

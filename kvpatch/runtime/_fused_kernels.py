@@ -10,6 +10,8 @@ part rebinds a name another defines); the imports above the line only let a part
 alone, and are dropped.
 """
 
+import torch
+
 from kvpatch.runtime._fused_ops import (  # globals once _fused_build_ops has run
     _fused_amax,
     _fused_build_ops,
@@ -372,3 +374,19 @@ def _fused_build():
 
     _fused_kernels = (_fused_split_kernel, _fused_combine_kernel)
     return _fused_kernels
+
+
+# The grid: the split kernel derives each split's share from n_splits on the device; the host
+# picks n_splits from the batch alone (the lengths stay on the device).
+def _fused_split_count(target, programs, down):
+    """Splits a request gets so the grid (programs x splits) meets target, the lengths
+    unknown on the host. Rounded down (small bucket) the grid stays within one wave of
+    equal programs; rounded up, 128 x 1k at 16 heads launched 3 splits, 384 programs for
+    264 slots (80.5 us against 66.6 for 2; 64 x 8k 298.6 against 198.4: GPU run 24)."""
+    programs = max(1, programs)
+    n = target // programs if down else -(-target // programs)
+    return max(1, min(64, n))
+
+
+def _fused_sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count

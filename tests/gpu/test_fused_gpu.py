@@ -102,9 +102,10 @@ def test_indptr_rows_match_fp32_reference(heads, tq):
     assert ok(out, ref), rel_err(out, ref)
 
 
-@pytest.mark.parametrize("dots", ["f16", "bf16"])
+@pytest.mark.parametrize("dots", ["f16", "bf16", "gluon"])
 def test_q_beyond_f16_range_and_both_dot_types(dots):
-    """The f16 dots scale q by a power of two (q may exceed f16's 65504); bf16 dots need not."""
+    """The f16 dots scale q by a power of two (q may exceed f16's 65504); bf16 dots need not.
+    gluon: the Gluon split kernel (16 heads' default) scales q the same way."""
     big = 3.0e5
     lens = [77, 4096, 513]
     pool = fp8_pool(40_000)
@@ -112,7 +113,7 @@ def test_q_beyond_f16_range_and_both_dot_types(dots):
     qn, qp = queries(len(lens), 16)
     qn, qp = qn * big, qp * big
     out = torch.full((len(lens), 16, 512), float("nan"), dtype=BF16, device=DEV)
-    cfg = dict(RT.FUSED_TUNING["small"], f16=dots == "f16")
+    cfg = dict(RT.FUSED_TUNING["small"], f16=dots != "bf16", gluon=dots == "gluon")
     RT.fused_mla(qn, qp, pool, out, 0.1 / big, kv_indptr=indptr, kv_indices=perm, config=cfg)
     ref = fused_reference(qn, qp, pool, 0.1 / big, rows_indptr(perm, indptr), 1, False)
     assert ok(out, ref), rel_err(out, ref)
@@ -253,7 +254,7 @@ def test_one_split_writes_the_output_in_one_launch_and_replays_in_a_graph(heads)
         RT._launch = real
     assert len(launches) == 1, "one split a request must not launch the combine"
     two = torch.full_like(out, float("nan"))
-    cfg = dict(RT.FUSED_TUNING[RT._fused_bucket(heads)], direct=False)
+    cfg = dict(RT.FUSED_TUNING[RT._fused_bucket(heads)], direct=False, gluon=False)  # the same kernel
     RT.fused_mla(qn, qp, pool, two, 0.1, kv_indptr=indptr, kv_indices=perm, config=cfg, n_splits=1)
     assert torch.equal(out, two)
     assert bool((out[5] == 0).all())
@@ -401,9 +402,45 @@ def test_double_buffered_rows(heads, tq, cfg):
     pool = fp8_pool(40_000)
     perm, indptr = indptr_batch(lens, 40_000)
     qn, qp = queries(len(lens) * tq, heads)
-    full = dict(RT.FUSED_TUNING["small" if heads * tq <= 16 else "large"], **cfg)
+    full = dict(RT.FUSED_TUNING["small" if heads * tq <= 16 else "large"], gluon=False, **cfg)
     kw = dict(kv_indptr=indptr, kv_indices=perm, q_per_request=tq, causal=tq > 1, config=full)
     out = run(qn, qp, pool, **kw)
     ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), tq, tq > 1)
     assert ok(out, ref), rel_err(out, ref)
     assert torch.equal(out, run(qn, qp, pool, **kw))
+
+
+def _split_kernel_name():
+    k = RT._fused_last["split"]
+    return getattr(k, "name", None) or k.metadata.name
+
+
+@pytest.mark.parametrize("ps,scales", [(1, False), (16, True), (64, False)])
+def test_gluon_split_kernel_serves_16_heads_and_agrees_with_triton(ps, scales):
+    """16 heads, one token, "gluon": True: the plan takes the Gluon split kernel (runtime part
+    _fused_gluon); both kernels within the fp32-reference tolerance on page tables, with FP8
+    scales, bit-identical run to run. A wrong page fails the check. (Off by default until
+    this test and verify have run on a device: FUSED_GLUON_DEFAULT.)"""
+    if not RT._fused_gluon_build():
+        pytest.skip("this Triton has no Gluon: the Triton kernel serves (tested above)")
+    kw0 = dict(config=dict(RT.FUSED_TUNING["small"], gluon=True))
+    lens = [1, 33, 4096, 513, 2000]
+    slots = 65_536
+    pool = fp8_pool(slots, page_size=ps if ps > 1 else None)
+    pt, sl = table_batch(lens, slots // ps, ps, width=4096 // ps + 3)
+    qn, qp = queries(len(lens), 16)
+    kw = dict(page_table=pt, cache_seqlens=sl, page_size=ps, **kw0)
+    if scales:
+        kw.update(ckv_scale=0.5, kpe_scale=torch.full((1,), 2.0, device=DEV))
+    out = run(qn, qp, pool, **kw)
+    assert _split_kernel_name().startswith("_fused_gluon_split_kernel")
+    tri = run(qn, qp, pool, **dict(kw, config=dict(RT.FUSED_TUNING["small"], gluon=False)))
+    assert _split_kernel_name().startswith("_fused_split_kernel")
+    ref = fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps), 1, False,
+                          ckv_scale=0.5 if scales else 1.0, kpe_scale=2.0 if scales else 1.0)
+    assert ok(out, ref), rel_err(out, ref)
+    assert ok(tri, ref), rel_err(tri, ref)
+    assert torch.equal(out, run(qn, qp, pool, **kw))
+    bad = pt.clone()
+    bad[0, 0] = bad[1, 0]  # request 0 (one row) reads request 1's first page instead of its own
+    assert not ok(run(qn, qp, pool, **dict(kw, page_table=bad)), ref)

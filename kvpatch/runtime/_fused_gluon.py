@@ -1,0 +1,369 @@
+"""A part of the kvpatch runtime: the fused FP8 MLA decode's split kernel in Gluon (issue 17).
+
+Gluon (triton.experimental.gluon, in Triton 3.5 and later) lets a kernel pick its register
+layouts. This kernel reads every FP8 byte it stages once for QK and once for PV, 4 bytes a
+thread with a 32-bit shared load, in layouts that are the MMA's own operand layouts up to a
+permutation of the reduced index (QK: latent dims, applied to q as well) or the output index
+(PV: latent columns, undone at the store); the Triton kernel restages V as f16 and re-reads
+q in every warp (GPU run 34: ~47 shared wavefronts a row). The QK contraction is split
+across the four warps by latent chunk (warp w: latent dims 128 w.., rope dims 16 w..); the
+partial scores are summed through shared memory, a quarter of the columns a warp; warp w's PV
+runs on its own chunk. Same split-KV partials as the Triton kernel, merged by its combine.
+GPU run 43 (gpu/gluon_mla_probe.py, H100): 0.80-0.96x the Triton kernel's time at 16 heads.
+
+Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); the
+imports above the "joined from here" line only let this part read alone.
+"""
+
+import torch
+
+from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
+from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
+    _fg_k3,
+    _fg_pe3,
+    _fg_q3,
+    _fg_v3,
+    _fused_gluon_build_ops,
+)
+
+# -- joined from here --
+
+
+# ---------------------------------------------------------------------------
+# Fused FP8 MLA attention: the Gluon split kernel (16 heads, one query token a request)
+
+# Its launch constants (GPU run 43): 32 positions a step, two stages, a grid of three CTAs
+# an SM (168 registers, 45 KB shared: three fit).
+FUSED_GLUON_TUNING = {
+    "block_n": 32,
+    "num_stages": 2,
+    "num_warps": 4,
+    "ctas_per_sm": 3,
+    "min_split": 64,
+}
+_fused_gluon = None  # the kernel, built on first use; False: no Gluon here
+# Off until this integrated kernel has passed the GPU tests and verify on a device (the probe
+# of the same kernel, GPU run 43, was exact and 0.80-0.96x the Triton kernel's time; no device
+# time was left to run the integrated one): a config with "gluon": True selects it.
+FUSED_GLUON_DEFAULT = False
+
+
+def _fused_gluon_choice(geometry, consts):
+    """(kernel, config, split count, launch constants) when the Gluon kernel serves this
+    call geometry, else None. geometry: (heads, query tokens, latent and rope widths, flat
+    table, interpreter, device, config, split count or None, programs before splits);
+    consts: (page size, indptr rows, the two scales' plan keys). A batch of one split a
+    request keeps the Triton kernel: it writes the output in one launch, which eager
+    batches pay for in host time."""
+    heads, tq, d, dpe, flat, interpret, device, cfg, n_splits, programs = geometry
+    if (heads, tq, d, dpe) != (16, 1, 512, 64) or not flat or interpret:
+        return None
+    if not cfg.get("gluon", FUSED_GLUON_DEFAULT) or device.type != "cuda":
+        return None
+    if torch.cuda.get_device_capability(device) < (8, 0):  # mma.sync f16, cp.async
+        return None
+    kernel = _fused_gluon_build()
+    if not kernel:
+        return None
+    cfg = dict(cfg, **FUSED_GLUON_TUNING)
+    if n_splits is None:
+        sms = _fused_sm_count(device) * cfg["ctas_per_sm"]
+        n_splits = _fused_split_count(sms, programs, cfg.get("splits_down", False))
+    if n_splits == 1 and cfg.get("direct", True):
+        return None
+    page_size, by_indptr, (ckv_key, kpe_key) = consts
+    launch = dict(
+        H=16,
+        D=512,
+        DPE=64,
+        PS=int(page_size),
+        BY_INDPTR=by_indptr,
+        # As the Triton kernel's: a scale read per call (a tensor) or a float other than 1.
+        HAS_CKV_SCALE=isinstance(ckv_key, tuple) or ckv_key not in (None, 1.0),
+        HAS_KPE_SCALE=isinstance(kpe_key, tuple) or kpe_key not in (None, 1.0),
+        BLOCK_N=cfg["block_n"],
+        STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"],
+    )
+    return kernel, cfg, n_splits, tuple(launch.items())
+
+
+def _fused_gluon_build():
+    global _fused_gluon
+    if _fused_gluon is not None:
+        return _fused_gluon
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    except Exception:
+        _fused_gluon = False
+        return _fused_gluon
+
+    _fused_gluon_build_ops(gluon, gl)
+    _fused_gluon = _fg_kernel(gluon, gl, async_copy, mma_v2)
+    return _fused_gluon
+
+
+def _fg_kernel(gluon, gl, async_copy, mma_v2):
+    @gluon.jit(do_not_specialize=["n_splits", "n_slots", "table_stride", "min_split"])
+    def _fused_gluon_split_kernel(
+        q_nope,
+        q_pe,
+        kv,
+        table,
+        lens,
+        part_o,
+        part_lse,
+        ckv_scale,
+        kpe_scale,
+        sm_scale,
+        stride_o_t,  # the Triton kernel's argument order: fused_mla's launch serves both
+        stride_o_h,
+        stride_qn_t,
+        stride_qn_h,
+        stride_qp_t,
+        stride_qp_h,
+        stride_kv,
+        table_stride,
+        n_slots,
+        n_splits,
+        min_split,
+        H: gl.constexpr,
+        D: gl.constexpr,
+        DPE: gl.constexpr,
+        PS: gl.constexpr,
+        BY_INDPTR: gl.constexpr,
+        HAS_CKV_SCALE: gl.constexpr,
+        HAS_KPE_SCALE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):
+        BN: gl.constexpr = BLOCK_N
+        C: gl.constexpr = D // 4
+        mma3: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]
+        )
+        a3: gl.constexpr = gl.DotOperandLayout(0, mma3, 2)
+        b3: gl.constexpr = gl.DotOperandLayout(1, mma3, 2)
+        # The scores summed over the warps' partials in-thread, a quarter of the columns a warp.
+        rs3: gl.constexpr = gl.BlockedLayout([4, 2, 2], [1, 8, 4], [1, 1, 4], [2, 1, 0])
+        s_l: gl.constexpr = gl.SliceLayout(0, rs3)
+        cp3: gl.constexpr = gl.BlockedLayout(
+            [1, 1, 16], [1, 4, 8], [1, 4, 1], [2, 1, 0]
+        )
+        cp_pe: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        st3: gl.constexpr = gl.BlockedLayout(
+            [1, 1, 4], [1, 1, 32], [4, 1, 1], [2, 1, 0]
+        )
+        sw: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [2, 1, 0])
+        sw_pe: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
+        # The staged tiles read as the MMA operands' layouts (up to the permutations above):
+        # two low column bits in registers, so one 32-bit shared load a thread and row.
+        K3PHYS: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[
+                [0, 0, 1],
+                [0, 0, 2],
+                [0, 0, 16],
+                [0, 0, 32],
+                [0, 8, 0],
+                [0, 16, 0],
+            ],
+            lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]],
+            block_bases=[],
+            shape=[4, BN, 64],
+        )
+        PE3PHYS: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0], [16, 0]],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[0, 16], [0, 32]],
+            block_bases=[],
+            shape=[BN, DPE],
+        )
+        V3PHYS: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[
+                [0, 0, 1],
+                [0, 0, 2],
+                [0, 1, 0],
+                [0, 8, 0],
+                [0, 16, 0],
+                [0, 0, 32],
+                [0, 0, 64],
+            ],
+            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
+            warp_bases=[[1, 0, 0], [2, 0, 0]],
+            block_bases=[],
+            shape=[4, BN, C],
+        )
+        b = gl.program_id(0)
+        s = gl.program_id(1)
+        if BY_INDPTR:
+            first = gl.load(lens + b)
+            kv_len = (gl.load(lens + b + 1) - first) * PS
+            base = first.to(gl.int64)
+        else:
+            kv_len = gl.load(lens + b)
+            base = b.to(gl.int64) * table_stride
+        kv_len = gl.maximum(kv_len, 0)
+        per = gl.cdiv(gl.maximum(gl.cdiv(kv_len, n_splits), min_split), BN) * BN
+        lo = s * per
+        hi = gl.minimum(lo + per, kv_len)
+        if lo >= hi:
+            return  # the combine skips an idle split
+        # q scaled into f16's range by a power of two (exact), as the Triton kernel does.
+        hq = gl.arange(0, H, layout=gl.SliceLayout(1, q_l))
+        qn = q_nope + b.to(gl.int64) * stride_qn_t
+        qp = q_pe + b.to(gl.int64) * stride_qp_t
+        cn = gl.arange(0, D, layout=gl.SliceLayout(0, q_l))
+        cp = gl.arange(0, DPE, layout=gl.SliceLayout(0, q_l))
+        amax = gl.maximum(
+            gl.max(
+                gl.max(
+                    gl.abs(
+                        gl.load(qn + hq[:, None] * stride_qn_h + cn[None, :]).to(
+                            gl.float32
+                        )
+                    ),
+                    1,
+                ),
+                0,
+            ),
+            gl.max(
+                gl.max(
+                    gl.abs(
+                        gl.load(qp + hq[:, None] * stride_qp_h + cp[None, :]).to(
+                            gl.float32
+                        )
+                    ),
+                    1,
+                ),
+                0,
+            ),
+        )
+        e = gl.ceil(gl.log2(gl.maximum(amax, 1e-30))).to(gl.int32) - 14
+        e = gl.minimum(gl.maximum(e, -100), 100)
+        q_mul = ((127 - e) << 23).to(gl.float32, bitcast=True)
+        qk_scale = (
+            sm_scale
+            * 1.4426950408889634
+            * ((127 + e) << 23).to(gl.float32, bitcast=True)
+        )
+        qa = _fg_q3(
+            qn, stride_qn_h, 0, 64, C, q_mul, a3
+        )  # warp w: dims 128 w + [0, 64)
+        qb = _fg_q3(qn, stride_qn_h, 64, 64, C, q_mul, a3)  # and 128 w + [64, 128)
+        qr = _fg_q3(
+            qp, stride_qp_h, 0, 16, 16, q_mul, a3
+        )  # and rope dims 16 w + [0, 16)
+        ckv = 1.0
+        if HAS_CKV_SCALE:
+            ckv = gl.load(ckv_scale).to(gl.float32)
+        kpe = 1.0
+        if HAS_KPE_SCALE:
+            kpe = gl.load(kpe_scale).to(gl.float32)
+        kv_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, BN, C], sw)
+        pe_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, DPE], sw_pe)
+        r = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3)))
+        cc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, cp3)))
+        jj = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, cp3)))
+        cpe = gl.arange(0, DPE, layout=gl.SliceLayout(0, cp_pe))
+        rs = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+        n_steps = gl.cdiv(hi - lo, BN)
+        m_i = gl.full([H], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([H], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([4, H, C], gl.float32, mma3)
+        # Step t's rows staged STAGES - 1 steps ahead; a masked or out-of-pool row is never
+        # read (the copy fills zeros) and its score is -inf.
+        for t in range(-(STAGES - 1), n_steps):
+            u = t + STAGES - 1
+            pos = lo + u * BN + r
+            ok = pos < hi
+            page = gl.load(table + base + pos // PS, mask=ok, other=0).to(gl.int64)
+            slot = page * PS + pos % PS
+            ok = ok & (slot >= 0) & (slot < n_slots)
+            row = (
+                kv
+                + slot[None, :, None] * stride_kv
+                + (jj * C)[:, None, None]
+                + cc[None, None, :]
+            )
+            async_copy.async_copy_global_to_shared(
+                kv_s.index(u % STAGES), row, mask=ok[None, :, None]
+            )
+            slot_pe = gl.convert_layout(slot, gl.SliceLayout(1, cp_pe))
+            ok_pe = gl.convert_layout(ok, gl.SliceLayout(1, cp_pe))
+            pe_row = kv + slot_pe[:, None] * stride_kv + D + cpe[None, :]
+            async_copy.async_copy_global_to_shared(
+                pe_s.index(u % STAGES), pe_row, mask=ok_pe[:, None]
+            )
+            async_copy.commit_group()
+            if t >= 0:
+                pos_s = lo + t * BN + rs
+                ok_s = pos_s < hi
+                pg = gl.load(table + base + pos_s // PS, mask=ok_s, other=0).to(
+                    gl.int64
+                )
+                sl = pg * PS + pos_s % PS
+                ok_s = ok_s & (sl >= 0) & (sl < n_slots)
+                async_copy.wait_group(STAGES - 1)
+                gl.thread_barrier()
+                tile = kv_s.index(t % STAGES)
+                z = gl.zeros([4, H, BN], gl.float32, mma3)
+                s3 = mma_v2(
+                    qa, _fg_k3(tile.slice(0, 64, 2).load(K3PHYS), b3, BN, 64), z
+                )
+                s3 = mma_v2(
+                    qb, _fg_k3(tile.slice(64, 64, 2).load(K3PHYS), b3, BN, 64), s3
+                )
+                s3p = mma_v2(
+                    qr, _fg_pe3(pe_s.index(t % STAGES).load(PE3PHYS), b3, BN), z
+                )
+                if HAS_CKV_SCALE:
+                    s3 = s3 * ckv
+                if HAS_KPE_SCALE:
+                    s3p = s3p * kpe
+                sc = gl.sum(gl.convert_layout(s3 + s3p, rs3), 0)
+                sc = gl.where(ok_s[None, :], sc * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, 1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(sc - m_use[:, None])
+                l_i = l_i * alpha + gl.sum(p, 1)
+                p16 = gl.expand_dims(p.to(gl.float16), 0)
+                p3 = gl.convert_layout(
+                    gl.broadcast(p16, gl.zeros([4, H, BN], gl.float16, rs3))[0], a3
+                )
+                al = gl.convert_layout(
+                    alpha, gl.SliceLayout(0, gl.SliceLayout(2, mma3))
+                )
+                al = gl.expand_dims(gl.expand_dims(al, 0), 2)
+                acc = mma_v2(p3, _fg_v3(tile.load(V3PHYS), b3, BN), acc * al)
+                m_i = m_new
+                gl.thread_barrier()  # every warp past this buffer before a later step refills it
+        async_copy.wait_group(0)
+        seen = l_i > 0.0
+        inv = ckv / gl.where(
+            seen, l_i, 1.0
+        )  # V is the latent: its scale scales the output
+        lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        hs = gl.arange(0, H, layout=gl.SliceLayout(1, s_l))
+        gl.store(part_lse + (b * H + hs).to(gl.int64) * n_splits + s, lse)
+        inv = gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, mma3)))
+        o = acc * gl.expand_dims(gl.expand_dims(inv, 0), 2)
+        o = o.reshape([4, H, 4, 4, 8]).permute([0, 1, 2, 4, 3]).reshape([4, H, C])
+        o = gl.convert_layout(o, st3)  # physical columns, then coalesced
+        wo = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, st3)))
+        ho = gl.arange(0, H, layout=gl.SliceLayout(0, gl.SliceLayout(2, st3)))
+        co = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, st3)))
+        prow = (b * H + ho).to(gl.int64) * n_splits + s
+        dst = (
+            part_o
+            + prow[None, :, None] * D
+            + (wo * C)[:, None, None]
+            + co[None, None, :]
+        )
+        gl.store(dst, o)
+
+    return _fused_gluon_split_kernel
