@@ -3,6 +3,7 @@ kernel itself under Triton's interpreter where Triton is importable (it is not i
 install: those tests skip, saying so; tests/gpu/test_fused_gpu.py runs it on a GPU)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,21 @@ def test_split_count_fills_one_wave_rounded_down_or_covers_it_rounded_up():
     assert count(264, 1000, True) == 1 and count(264, 1000, False) == 1  # never below one
     assert count(264, 1, True) == 64 and count(264, 0, False) == 64  # never above 64
     assert fz.FUSED_TUNING["small"]["splits_down"] and not fz.FUSED_TUNING["large"].get("splits_down")
+
+
+def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
+    """The runtime's Gluon split kernel, every variant, compiled for sm_90a with no GPU
+    (tools/fused_aot.py --gluon): its staged FP8 tiles convert to the MMA operand layouts
+    with assert_trivial (a permutation that moved data between threads fails the build), and
+    the budget the plan assumes holds: no spills, three CTAs an SM by registers and shared
+    memory. (The numerics are GPU tests: tests/gpu/test_fused_gpu.py.)"""
+    pytest.importorskip("triton", reason="Triton is not importable: the ahead-of-time compile needs it")
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon (3.5 and later)")
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "fused_aot.py"), "--gluon"], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("gluon ")]
+    assert len(rows) == 5, res.stdout
+    for line in rows:
+        regs, spill, smem = (int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line))
+        assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line

@@ -2,6 +2,7 @@
 """Compile the fused FP8 MLA kernel for sm_90a here, with no GPU: registers, spills, shared memory.
 
     python tools/fused_aot.py [--heads 16] [--tq 1] [--configs "BM,BN,WARPS,STAGES,MAXNREG;..."]
+    python tools/fused_aot.py --gluon    # the Gluon split kernel (runtime part _fused_gluon)
 
 Triton compiles ahead of time for a target it is told (GPUTarget("cuda", 90, 32)), and the
 ptxas that its wheel carries reports what the kernel uses; the occupancy follows (registers
@@ -71,6 +72,35 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
 
 
+def compile_gluon(ps, by_indptr, scales):
+    """The runtime's Gluon split kernel (runtime part _fused_gluon) for sm_90a: registers,
+    spills, shared memory. Its operand layout conversions are assert_trivial: a layout that
+    would move data between threads fails here, not on a device."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    rt = _fused()
+    kernel = rt._fused_gluon_build()
+    tune = rt.FUSED_GLUON_TUNING
+    const = dict(H=16, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, HAS_CKV_SCALE=scales, HAS_KPE_SCALE=scales,
+                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"])
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": tune["num_warps"]})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
+        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(Path(tmp) / "k.ptx"), "-o",
+                                 str(Path(tmp) / "k.o")], capture_output=True, text=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16)
@@ -79,7 +109,15 @@ def main(argv=None):
     ap.add_argument("--dump", default=None)
     for flag in FLAGS:
         ap.add_argument("--" + flag.lower().replace("_", "-"), type=int, default=int(FLAGS[flag]))
+    ap.add_argument("--gluon", action="store_true", help="the runtime's Gluon split kernel instead, every variant")
     args = ap.parse_args(argv)
+    if args.gluon:
+        for ps, by_indptr, scales in ((1, True, False), (16, True, False), (1, False, True), (16, False, False),
+                                      (64, False, True)):
+            r = compile_gluon(ps, by_indptr, scales)
+            print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}: "
+                  f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
+        return 0
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))
     try:
