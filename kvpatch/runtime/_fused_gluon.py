@@ -9,7 +9,7 @@ q in every warp (GPU run 34: ~47 shared wavefronts a row). The QK contraction is
 across the four warps by latent chunk (warp w: latent dims 128 w.., rope dims 16 w..); the
 partial scores are summed through shared memory, a quarter of the columns a warp; warp w's PV
 runs on its own chunk. Same split-KV partials as the Triton kernel, merged by its combine.
-GPU run 43 (gpu/gluon_mla_probe.py, H100): 0.80-0.96x the Triton kernel's time at 16 heads.
+GPU run 43 (the standalone probe of 1bfe715, H100): 0.80-0.96x the Triton kernel's time at 16 heads.
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); the
 imports above the "joined from here" line only let this part read alone.
