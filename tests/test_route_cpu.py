@@ -75,6 +75,22 @@ def test_caches_not_cut_from_one_pool_are_cast_whole(rt):
     assert torch.equal(rt.paged_attention(fa3, **kw), call(fa3, pool.to(BF16), 16, pt, sl, q, cu, 1))
 
 
+def test_an_e5m2_pool_is_cast_whole_not_handed_on_uncast(rt):
+    """SGLang's fp8_e5m2 KV cache: the pool-geometry check (e4m3) declines it, and the whole
+    cast must still cast it (it handed e5m2 caches to the kernel as they were)."""
+    pool, pt, sl, q, cu = case(16, 1)
+    pool = pool.to(BF16).to(torch.float8_e5m2)
+    seen = []
+
+    def kernel(**kw):
+        seen.append((kw["k_cache"].dtype, kw["v_cache"].dtype))
+        return fa3(**kw)
+
+    got = rt.paged_attention(kernel, **_kw(pool, 16, pt, sl, q, cu, 1))
+    assert seen == [(BF16, BF16)]
+    assert torch.equal(got, call(fa3, pool.to(BF16), 16, pt, sl, q, cu, 1))
+
+
 def test_mode_off_casts_at_the_cast_site_and_calls_the_kernel_as_is(rt, monkeypatch):
     monkeypatch.setenv("KVPATCH_MODE", "off")
     rt.reset()

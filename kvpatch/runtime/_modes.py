@@ -17,12 +17,13 @@ import re
 
 import torch
 
+# 8: a routed call's whole cast casts an e5m2 pool too (it cast e4m3 only)
 # 7: the fused split kernel in Gluon for 16-head, one-token decode (runtime part _fused_gluon)
 # 6: routed sgl-kernel paged MLA decode calls (paged_mla: XPU's flash_mla_decode)
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "7"
+__kvpatch_runtime_version__ = "8"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [

@@ -145,7 +145,11 @@ def _shadow_view(shadow, pool, t):
 
 
 def _cast_whole(t, dtype):
-    return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype is _FP8 else t
+    # Any 8-bit float, the pool's dtype whatever it is (SGLang's fp8_e5m2 KV cache too):
+    # the original cast the pool to q's dtype, and the kernel reads nothing else that small.
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() == 1:
+        return t.to(dtype)
+    return t
 
 
 def _cast_fp8_args(kw, q):
