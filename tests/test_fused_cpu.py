@@ -57,7 +57,7 @@ def test_argument_checks_refuse_before_any_kernel():
     out = torch.empty((4, 4, 512), dtype=BF16)
     with pytest.raises(ValueError, match="multiple of q_per_request"):
         fz.fused_mla(qn, qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=3)
-    with pytest.raises(ValueError, match="576 wide"):
+    with pytest.raises(ValueError, match=r"256 \+ 64 wide \(got torch.float8_e4m3fn, 576\)"):
         fz.fused_mla(qn[..., :256], qp, pool, out, 0.1, kv_indptr=indptr, kv_indices=perm, q_per_request=2)
 
 

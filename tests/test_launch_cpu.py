@@ -354,3 +354,16 @@ def test_one_split_writes_the_output_and_launches_no_combine(rt, monkeypatch):
     small = _inputs(batch=2)
     rt.fused_mla(*small[:4], 0.1, kv_indptr=small[4], kv_indices=small[5])
     assert [c[0] for c in f.calls] == ["split", "combine"] and f.calls[0][1][1] > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.bfloat16])
+def test_fused_mla_refuses_a_pool_that_is_not_e4m3_before_anything_runs(rt, dtype):
+    """The fused kernels convert FP8 with e4m3's instructions (the Triton kernel's inline
+    cvt, the Gluon kernel's staged tiles): an e5m2 pool would be read wrong, so fused_mla
+    refuses it (the routed calls only ever hand it e4m3 pools, and gather otherwise)."""
+    pool = torch.zeros((64, 1, 576), dtype=dtype)
+    q = torch.zeros((1, 16, 576), dtype=torch.bfloat16)
+    out = torch.empty((1, 16, 512), dtype=torch.bfloat16)
+    indptr, idx = torch.tensor([0, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        rt.fused_mla(q[..., :512], q[..., 512:], pool, out, 0.1, kv_indptr=indptr, kv_indices=idx)

@@ -25,11 +25,10 @@ from kvpatch.runtime._launch import _launch, _launch_ident
 # ---------------------------------------------------------------------------
 # Fused FP8 MLA attention: the launcher
 
-# Launch constants per (query rows per request x heads) bucket; the H200 sweep of
-# benchmarks/bench_fused.py picks them. block_m: query rows a program holds (heads x
-# draft tokens); block_n: KV positions per step; ctas_per_sm: the grid the split count
-# aims at; min_split: fewest positions a split takes before more splits pay; splits_down:
-# that split count rounded down, not up; qk_acc: independent QK accumulator chains (1, 2).
+# Launch constants per (query rows per request x heads) bucket, from benchmarks/bench_fused.py's
+# sweep. block_m: query rows a program holds (heads x draft tokens); block_n: KV positions a
+# step; ctas_per_sm: the grid the split count aims at; min_split: fewest positions a split
+# takes; splits_down: that count rounded down; qk_acc: independent QK accumulator chains.
 FUSED_TUNING = {
     "small": {
         "block_m": 16,
@@ -62,8 +61,7 @@ FUSED_TUNING = {
 # splits (a small batch): the row in column blocks, all of a block's splits in one read.
 _FUSED_COMBINE_TILE = 8192
 
-# device -> the largest (partial out fp32, partial lse fp32) made so far
-_fused_scratch = {}
+_fused_scratch = {}  # device -> the largest partial buffers (out, lse) made so far
 _fused_plans = {}  # a call's geometry -> its launch plan (see fused_mla)
 # the compiled kernels of the last call (benchmarks read registers, spills)
 _fused_last = {}
@@ -244,9 +242,11 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
         raise ValueError("fused_mla: query rows are not a multiple of q_per_request")
     batch = n_tok // tq
     width = kv_buffer.shape[-1]
-    if width != d + dpe:
+    # The kernels' FP8 -> f16 conversions are e4m3's (an e5m2 pool would read wrong).
+    if width != d + dpe or kv_buffer.dtype != torch.float8_e4m3fn:
         raise ValueError(
-            "fused_mla: pool rows are %d wide, q has %d + %d" % (width, d, dpe)
+            "fused_mla: pool rows must be float8_e4m3fn, %d + %d wide (got %s, %d)"
+            % (d, dpe, kv_buffer.dtype, width)
         )
     kv2 = kv_buffer.view(-1, width)
     if d % 4 or (d // 4) & (d // 4 - 1):
@@ -300,8 +300,8 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     ckv_tensor, kpe_tensor = isinstance(ckv_key, tuple), isinstance(kpe_key, tuple)
     ckv_t = None if ckv_tensor else _fused_scale_tensor(ckv_key, kv2.device)
     kpe_t = None if kpe_tensor else _fused_scale_tensor(kpe_key, kv2.device)
-    # A cached plan's ident stands for its constants in the launch key; a plan made for
-    # a one-off config is not cached and has none (the launch keys on its constants).
+    # A cached plan's ident stands for its constants in the launch key (a one-off config's
+    # plan is not cached and has none: the launch keys on its constants).
     ident = _launch_ident("fused") if config is None else None
     scratch = _fused_scratch_for(
         kv2.device, 1 if direct else batch * m_rows * n_splits, d

@@ -17,7 +17,8 @@ import re
 
 import torch
 
-# 8: a routed call's whole cast casts an e5m2 pool too (it cast e4m3 only)
+# 8: a routed call's whole cast casts an e5m2 pool too (it cast e4m3 only); fused_mla refuses
+# a pool that is not e4m3 (its kernels convert with e4m3's instructions)
 # 7: the fused split kernel in Gluon for 16-head, one-token decode (runtime part _fused_gluon)
 # 6: routed sgl-kernel paged MLA decode calls (paged_mla: XPU's flash_mla_decode)
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
