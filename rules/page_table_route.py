@@ -31,14 +31,12 @@ import libcst as cst
 
 from kvpatch.analysis.candidates import CastCandidate
 from kvpatch.analysis.match import Consumer, UnitContext, consumer_names
-from kvpatch.analysis.pagedcall import CACHE_KEYWORDS, ROUTABLE_KERNELS, is_cache_arg, kernel_name, kw, routable_view, walk
-from kvpatch.analysis.stable import nested_scopes
-from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder, route_call_builder
-from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid, refuse_unless_plain_cast
+from kvpatch.analysis.pagedcall import CACHE_KEYWORDS, ROUTABLE_KERNELS, is_cache_arg, kernel_name, kw, routable_view
+from kvpatch.rule import Decision, Invalid, Patched, Rule, Valid, refuse_unless_plain_cast
 from kvpatch.sites import HOT
 
 from ._page_table_examples import FA3_DECODE, RT
-from ._routed import ROUTED_CAST_FN
+from ._routed import ROUTED_CAST_FN, read_by_a_closure, routed_edits
 
 ROUTED_CAST = f'''        kv_cache = _kvpatch_rt.{ROUTED_CAST_FN}(
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
@@ -142,18 +140,14 @@ class FlashAttentionBackend:
     # -- decide -------------------------------------------------------------
     def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
         calls = _routable_calls(cand.consumers, ctx)
-        if calls is None or refuse_unless_plain_cast(cand, ctx):
+        if calls is None or read_by_a_closure(cand, ctx) or refuse_unless_plain_cast(cand, ctx):
             return None  # KVP103 (or another rule) decides
-        edits = [ReplaceNode(ctx.unit.qualname, cand.call,
-                             cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{self.EMITS[0]}"))]
-        edits += [ReplaceNode(ctx.unit.qualname, call, route_call_builder(f"{RUNTIME_ALIAS}.{self.EMITS[1]}"))
-                  for call in calls]
         return Decision(
             HOT,
             f"full-pool cast read only by {consumer_names(cand.consumers, ctx)} (absorbed MLA): the pool goes on "
             f"as stored and each call is routed through the runtime (fused FP8 attention, or the pages of its "
             f"own table cast and the kernel run on them)",
-            edits + [NeedRuntime()],
+            routed_edits(cand, ctx, self.EMITS, calls),
         )
 
 
@@ -179,10 +173,5 @@ def _routable_calls(consumers: List[Consumer], ctx: UnitContext) -> Optional[Lis
         if all(x is not c.call for x in calls):
             calls.append(c.call)
     if not calls or any(seen[id(call)] != set(CACHE_KEYWORDS) for call in calls):
-        return None
-    # The data flow follows no value into a nested function: a closure that reads the
-    # cast (context parallel) would get the FP8 pool as stored. KVP103 casts for it.
-    names = {n for c in consumers for n in c.via}
-    if any(isinstance(n, cst.Name) and n.value in names for scope in nested_scopes(ctx) for n in walk(scope)):
         return None
     return calls

@@ -36,14 +36,12 @@ import libcst as cst
 from kvpatch.analysis.candidates import CastCandidate
 from kvpatch.analysis.match import Consumer, UnitContext, consumer_names
 from kvpatch.analysis.pagedcall import (MLA_CACHE, PAGED_KERNELS, ROUTABLE_PAGED_KERNELS, _bind_signature,
-                                        is_cache_arg, kernel_name, routable_view, walk)
-from kvpatch.analysis.stable import nested_scopes
-from kvpatch.rewrite.codegen import RUNTIME_ALIAS, cast_builder, route_call_builder
-from kvpatch.rule import Decision, Invalid, NeedRuntime, Patched, ReplaceNode, Rule, Valid, refuse_unless_plain_cast
+                                        is_cache_arg, kernel_name, routable_view)
+from kvpatch.rule import Decision, Invalid, Patched, Rule, Valid, refuse_unless_plain_cast
 from kvpatch.sites import HOT
 
 from ._page_table_examples import RT, XPU_CAST, XPU_DECODE
-from ._routed import ROUTED_CAST_FN  # the cast's runtime function, KVP106's too
+from ._routed import ROUTED_CAST_FN, read_by_a_closure, routed_edits  # shared with KVP106
 
 ROUTED_CALL_FN = "paged_mla"
 # flash_mla_decode's parameters without a default: a call missing one is not the kernel's.
@@ -200,18 +198,14 @@ class XPUAttentionBackend:
     # -- decide -------------------------------------------------------------
     def decide(self, cand: CastCandidate, ctx: UnitContext) -> Optional[Decision]:
         calls = _routable_calls(cand, ctx)
-        if calls is None or refuse_unless_plain_cast(cand, ctx):
+        if calls is None or read_by_a_closure(cand, ctx) or refuse_unless_plain_cast(cand, ctx):
             return None  # KVP103 (or another rule) decides
-        edits = [ReplaceNode(ctx.unit.qualname, cand.call,
-                             cast_builder(cand, ctx, f"{RUNTIME_ALIAS}.{self.EMITS[0]}"))]
-        edits += [ReplaceNode(ctx.unit.qualname, call, route_call_builder(f"{RUNTIME_ALIAS}.{self.EMITS[1]}"))
-                  for call in calls]
         return Decision(
             HOT,
             f"full-pool cast read only by {consumer_names(cand.consumers, ctx)} (sgl-kernel's paged MLA decode, "
             f"bound by its signature): the pool goes on as stored and each call is routed through the runtime "
             f"(fused FP8 attention, or the pages of its own table cast and the kernel run on them)",
-            edits + [NeedRuntime()],
+            routed_edits(cand, ctx, self.EMITS, calls),
         )
 
 
@@ -263,11 +257,4 @@ def _routable_calls(cand: CastCandidate, ctx: UnitContext) -> Optional[List[cst.
             return None
         if all(x is not c.call for x in calls):
             calls.append(c.call)
-    if not calls:
-        return None
-    # The data flow follows no value into a nested function: a closure that reads the cast
-    # would get the FP8 pool as stored. KVP103 casts for it.
-    names = {n for c in cand.consumers for n in c.via}
-    if any(isinstance(n, cst.Name) and n.value in names for scope in nested_scopes(ctx) for n in walk(scope)):
-        return None
-    return calls
+    return calls or None
