@@ -279,10 +279,15 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     if not cfg.get("pad_m"):  # pad_m: keep block_m above the rows (wgmma needs M = 64)
         block_m = min(block_m, max(16, 1 << (m_rows - 1).bit_length()))
     groups = -(-m_rows // block_m)
+    ckv_key, kpe_key = key[18:20]
+    ckv_tensor, kpe_tensor = isinstance(ckv_key, tuple), isinstance(kpe_key, tuple)
+    ckv_t = None if ckv_tensor else _fused_scale_tensor(ckv_key, kv2.device)
+    kpe_t = None if kpe_tensor else _fused_scale_tensor(kpe_key, kv2.device)
+    has_ckv, has_kpe = ckv_tensor or ckv_t is not None, kpe_tensor or kpe_t is not None
     # The Gluon kernel where it serves (runtime part _fused_gluon), with its own tuning.
     gluon = _fused_gluon_choice(
         (heads, tq, d, dpe, flat, interpret, kv2.device, cfg, n_splits, batch * groups),
-        (page_size, by_indptr, key[18:20]),
+        (page_size, by_indptr, has_ckv, has_kpe),
     )
     if gluon:
         split_k, cfg, n_splits = gluon[:3]
@@ -296,17 +301,12 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     direct = n_splits == 1 and cfg.get("direct", True)
     comb_sb = min(64, 1 << max(0, n_splits - 1).bit_length())
     comb_db = min(d, _FUSED_COMBINE_TILE // comb_sb)
-    ckv_key, kpe_key = key[18:20]
-    ckv_tensor, kpe_tensor = isinstance(ckv_key, tuple), isinstance(kpe_key, tuple)
-    ckv_t = None if ckv_tensor else _fused_scale_tensor(ckv_key, kv2.device)
-    kpe_t = None if kpe_tensor else _fused_scale_tensor(kpe_key, kv2.device)
     # A cached plan's ident stands for its constants in the launch key (a one-off config's
     # plan is not cached and has none: the launch keys on its constants).
     ident = _launch_ident("fused") if config is None else None
     scratch = _fused_scratch_for(
         kv2.device, 1 if direct else batch * m_rows * n_splits, d
     )
-    has_ckv, has_kpe = ckv_tensor or ckv_t is not None, kpe_tensor or kpe_t is not None
     if gluon:
         split_consts = gluon[3]
     else:

@@ -52,9 +52,9 @@ def _fused_gluon_choice(geometry, consts):
     """(kernel, config, split count, launch constants) when the Gluon kernel serves this
     call geometry, else None. geometry: (heads, query tokens, latent and rope widths, flat
     table, interpreter, device, config, split count or None, programs before splits);
-    consts: (page size, indptr rows, the two scales' plan keys). A batch of one split a
-    request keeps the Triton kernel: it writes the output in one launch, which eager
-    batches pay for in host time."""
+    consts: (page size, indptr rows, whether each FP8 scale is applied). A batch of one
+    split a request keeps the Triton kernel: it writes the output in one launch, which
+    eager batches pay for in host time."""
     heads, tq, d, dpe, flat, interpret, device, cfg, n_splits, programs = geometry
     if (heads, tq, d, dpe) != (16, 1, 512, 64) or not flat or interpret:
         return None
@@ -71,16 +71,15 @@ def _fused_gluon_choice(geometry, consts):
         n_splits = _fused_split_count(sms, programs, cfg.get("splits_down", False))
     if n_splits == 1 and cfg.get("direct", True):
         return None
-    page_size, by_indptr, (ckv_key, kpe_key) = consts
+    page_size, by_indptr, has_ckv, has_kpe = consts
     launch = dict(
         H=16,
         D=512,
         DPE=64,
         PS=int(page_size),
         BY_INDPTR=by_indptr,
-        # As the Triton kernel's: a scale read per call (a tensor) or a float other than 1.
-        HAS_CKV_SCALE=isinstance(ckv_key, tuple) or ckv_key not in (None, 1.0),
-        HAS_KPE_SCALE=isinstance(kpe_key, tuple) or kpe_key not in (None, 1.0),
+        HAS_CKV_SCALE=has_ckv,
+        HAS_KPE_SCALE=has_kpe,
         BLOCK_N=cfg["block_n"],
         STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"],

@@ -21,6 +21,7 @@ from kvpatch.runtime._route import (
     _slot_stride,
     _UNSEEN,
     _want_fused,
+    _whole_casts,
 )
 
 # -- joined from here --
@@ -118,17 +119,7 @@ def _pm_whole(kernel, args, kw):
     q = args[0] if args else kw.get("q_nope")
     if not isinstance(q, torch.Tensor):
         return kernel(*args, **kw)
-
-    def cast(t):  # an 8-bit float tensor (the pool) to the query's dtype
-        if (
-            isinstance(t, torch.Tensor)
-            and t.is_floating_point()
-            and t.element_size() == 1
-        ):
-            return t.to(q.dtype)
-        return t
-
-    return kernel(*[cast(a) for a in args], **{k: cast(v) for k, v in kw.items()})
+    return _whole_casts(kernel, args, kw, q)
 
 
 def _pm_pool_of(cache):

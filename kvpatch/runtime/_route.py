@@ -107,7 +107,7 @@ def paged_attention(kernel, *args, **kw):
     if k.dtype == q.dtype and v.dtype == q.dtype:
         return kernel(*args, **kw)  # cast already (KVPATCH_MODE=off), or a bf16 pool
     if args:  # the rewrite routes keyword calls only; anything else gets whole casts
-        return kernel(*[_cast_whole(a, q.dtype) for a in args], **_cast_fp8_args(kw, q))
+        return _whole_casts(kernel, args, kw, q)
     pool = _pool_of(k, v)
     shape = _fused_shape(kw, pool)
     if shape is not None and _want_fused(pool.device, *shape[:2]):
@@ -156,6 +156,12 @@ def _cast_fp8_args(kw, q):
     if not isinstance(q, torch.Tensor):
         return kw
     return {name: _cast_whole(t, q.dtype) for name, t in kw.items()}
+
+
+def _whole_casts(kernel, args, kw, q):
+    """The kernel on its arguments with every 8-bit float one cast to q's dtype: what the
+    original's whole cast handed it (never wrong, only slower)."""
+    return kernel(*[_cast_whole(a, q.dtype) for a in args], **_cast_fp8_args(kw, q))
 
 
 def _slot_stride(t):
