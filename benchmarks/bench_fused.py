@@ -62,6 +62,25 @@ def probe_setup(name):
     return rt, gen, torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
 
 
+def probe_candidates(rt, ws, pool, pool16, b, base, candidates, head):
+    """One shape of a GPU probe (gpu/*_probe.py): FlashInfer's bf16 kernel and the committed
+    tuning, then each (launch overrides, CTAs an SM) candidate on the Triton kernel, with its
+    fp32-reference error, bit-equality over two runs and compiled size; a candidate that does
+    not compile is said and skipped."""
+    r = measure(rt, rt, ws, pool, pool16, b, 1.0, None, paths=("bf16", "fused"))
+    bf16 = r["bf16_us"]
+    print(f"{head}: bf16 {bf16:7.1f} us | committed {r['fused_us']:7.1f} ({r['fused_us'] / bf16:.2f}x, "
+          f"err {r['fused_err']:.1e}, {_compiled_info(rt)})", flush=True)
+    for cand, ctas in candidates:
+        cfg = dict(base, **cand, ctas_per_sm=ctas, gluon=False)  # the Triton kernel
+        try:
+            r = measure(rt, rt, ws, pool, None, b, 1.0, cfg, paths=("fused",))
+            print(f"    {cand} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "
+                  f"err {r['fused_err']:.1e}, det {r['fused_deterministic']}, {_compiled_info(rt)})", flush=True)
+        except Exception as exc:
+            print(f"    {cand} ctas {ctas}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+
+
 def fused_module(rt):
     """The runtime itself: fused_mla is one of its parts."""
     return rt

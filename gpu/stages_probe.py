@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_attention import make_pool  # noqa: E402
-from bench_fused import _compiled_info, batch, measure, probe_setup  # noqa: E402
+from bench_fused import batch, probe_candidates, probe_setup  # noqa: E402
 
 # (candidate, grid targets as CTAs an SM); registers and shared memory from fused_aot.py.
 # GPU run 33 (notes/stages_probe.h100.log) swept num_stages 5 with block_n 16/32/64 and 4 or 8
@@ -63,21 +63,8 @@ def main(argv):
         base = rt.FUSED_TUNING[bucket]
         for heads, bs, ctx, tq in SHAPES[bucket]:
             b = batch(pool.shape[0], bs, ctx, heads, tq, gen)
-            r = measure(rt, rt, ws, pool, pool16, b, 1.0, None, paths=("bf16", "fused"))
-            bf16 = r["bf16_us"]
-            print(f"{bucket} {heads}h {bs}x{ctx} tq{tq}: bf16 {bf16:7.1f} us | committed {r['fused_us']:7.1f} "
-                  f"({r['fused_us'] / bf16:.2f}x, err {r['fused_err']:.1e}, {_compiled_info(rt)})", flush=True)
-            for cand, grids in CANDIDATES[bucket]:
-                for ctas in grids:
-                    cfg = dict(base, **cand, ctas_per_sm=ctas, gluon=False)  # the Triton kernel
-                    try:
-                        r = measure(rt, rt, ws, pool, None, b, 1.0, cfg, paths=("fused",))
-                        print(f"    {cand} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "
-                              f"err {r['fused_err']:.1e}, det {r['fused_deterministic']}, {_compiled_info(rt)})",
-                              flush=True)
-                    except Exception as exc:
-                        print(f"    {cand} ctas {ctas}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            del b
+            probe_candidates(rt, ws, pool, pool16, b, base, [(c, n) for c, grids in CANDIDATES[bucket] for n in grids],
+                             f"{bucket} {heads}h {bs}x{ctx} tq{tq}")
     return 0
 
 

@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_attention import make_pool  # noqa: E402
-from bench_fused import _compiled_info, batch, measure, probe_setup  # noqa: E402
+from bench_fused import batch, probe_candidates, probe_setup  # noqa: E402
 
 WGMMA = {
     "large": [dict(block_m=64, block_n=32, num_warps=8, num_stages=2, qk_acc=2),
@@ -44,21 +44,8 @@ def main():
         base = rt.FUSED_TUNING[bucket]
         for heads, bs, ctx, tq in shapes:
             b = batch(pool.shape[0], bs, ctx, heads, tq, gen)
-            r = measure(rt, rt, ws, pool, pool16, b, 1.0, None, paths=("bf16", "fused"))
-            bf16 = r["bf16_us"]
-            print(f"{heads}h {bs}x{ctx} tq{tq}: bf16 {bf16:7.1f} us | committed {r['fused_us']:7.1f} "
-                  f"({r['fused_us'] / bf16:.2f}x, err {r['fused_err']:.1e})", flush=True)
-            for cfg in WGMMA[bucket]:
-                for ctas in (1, 2):
-                    c = dict(base, **cfg, ctas_per_sm=ctas, gluon=False)  # the Triton kernel
-                    try:
-                        r = measure(rt, rt, ws, pool, None, b, 1.0, c, paths=("fused",))
-                        print(f"    {cfg} ctas {ctas}: {r['fused_us']:7.1f} us ({r['fused_us'] / bf16:.2f}x, "
-                              f"err {r['fused_err']:.1e}, det {r['fused_deterministic']}, {_compiled_info(rt)})",
-                              flush=True)
-                    except Exception as exc:
-                        print(f"    {cfg} ctas {ctas}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            del b
+            probe_candidates(rt, ws, pool, pool16, b, base, [(c, n) for c in WGMMA[bucket] for n in (1, 2)],
+                             f"{heads}h {bs}x{ctx} tq{tq}")
     return 0
 
 

@@ -52,20 +52,12 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=opts)
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(k.asm["ptx"])
-        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(tmp) / "k.o")]
-        report = subprocess.run(cmd + (["--maxrregcount", str(maxnreg)] if maxnreg else []),
-                                capture_output=True, text=True).stderr
+    regs, spill = _ptxas(k.asm["ptx"], maxnreg)
     if dump:
         tag = f"h{heads}_tq{tq}_bm{bm}_bn{bn}_w{warps}_s{stages}_r{maxnreg or 0}"
         Path(dump).mkdir(parents=True, exist_ok=True)
         (Path(dump) / f"{tag}.ttgir").write_text(k.asm["ttgir"])
         (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
-    regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     smem = int(k.metadata.shared)
     ctas = min(SM_REGS // (regs * 32 * warps), SM_SMEM // max(smem, 1))
     pipelined = k.asm["ttgir"].count("async_copy_global_to_local")
@@ -91,14 +83,22 @@ def compile_gluon(ps, by_indptr, scales):
              if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": tune["num_warps"]})
+    regs, spill = _ptxas(k.asm["ptx"])
+    return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
+
+
+def _ptxas(ptx, maxnreg=None):
+    """(registers, spilled bytes) that the ptxas Triton's wheel carries reports for sm_90a."""
+    import triton
+
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
-        report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(Path(tmp) / "k.ptx"), "-o",
-                                 str(Path(tmp) / "k.o")], capture_output=True, text=True).stderr
+        (Path(tmp) / "k.ptx").write_text(ptx)
+        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k.o")]
+        report = subprocess.run(cmd + (["--maxrregcount", str(maxnreg)] if maxnreg else []),
+                                capture_output=True, text=True).stderr
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
+    return regs, int(re.search(r"(\d+) bytes spill stores", report).group(1))
 
 
 def main(argv=None):
