@@ -24,7 +24,7 @@ for s in $steps; do
     gather_quick) python3 benchmarks/bench_gather.py --no-sweep --out "$OUT/bench_gather.json" 2>&1 | tee "$OUT/bench_gather.log" ;;
     pages) python3 benchmarks/bench_pages.py --out "$OUT/bench_pages.json" 2>&1 | tee "$OUT/bench_pages.log" ;;
     sweep) python3 benchmarks/sweep_pages.py --out "$OUT/sweep_pages.json" 2>&1 | tee "$OUT/sweep_pages.log" ;;
-    verify) python3 gpu/verify_real.py .gpu_payload/* 2>&1 | tee "$OUT/verify_real.log" ;;
+    verify) python3 gpu/verify_real.py ${PAYLOAD:-.gpu_payload}/* 2>&1 | tee "$OUT/verify_real.log" ;;
     unified) python3 gpu/verify_real.py --unified --out "$OUT/unified" .gpu_payload/rel-0.5.2* 2>&1 | tee "$OUT/verify_unified.log" ;;
     dcp) python3 gpu/verify_real.py --dcp 2 --dcp-rank 1 --out "$OUT/dcp" .gpu_payload/rel-0.5.17 .gpu_payload/rel-0.5.2* 2>&1 | tee "$OUT/verify_dcp.log" ;;
     vtests) python3 -m pytest -q -ra tests/gpu/test_verify_gpu.py 2>&1 | tee "$OUT/verify_tests.log" ;;
@@ -32,7 +32,7 @@ for s in $steps; do
     fused_tests) python3 -m pytest -q -ra tests/gpu/test_fused_gpu.py tests/gpu/test_route_gpu.py tests/gpu/test_mla_route_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_paged_mla_gpu.py 2>&1 | tee "$OUT/fused_tests.log" ;;
     fused_sweep) python3 benchmarks/bench_fused.py --only-sweep --json "$OUT/sweep_fused.json" 2>&1 | tee "$OUT/sweep_fused.log" ;;
     fused) python3 benchmarks/bench_fused.py --sweep --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
-    fused_table) python3 benchmarks/bench_fused.py --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
+    fused_table) python3 benchmarks/bench_fused.py ${BENCH_ARGS:-} --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     probe) python3 gpu/overhead_probe.py --json "$OUT/overhead_probe.json" 2>&1 | tee "$OUT/overhead_probe.log" ;;
     wgmma) python3 gpu/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log" ;;
     stages) python3 -m pytest -q -ra tests/gpu/test_fused_gpu.py -k "double_buffered or transposed_read" 2>&1 | tee "$OUT/stages_tests.log";

@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
 
 from kvpatch.verify import run_verify  # noqa: E402
+from kvpatch.verify.judge import FUSED_KERNELS  # noqa: E402
 from kvpatch.verify.world import BIG_SHAPES, GPU_SHAPES  # noqa: E402
 
 
@@ -74,8 +75,10 @@ def main(argv=None) -> int:
         print(out, flush=True)
         text.append(out)
         reports.append(r)
+    log(f"fused plans by split kernel: {dict(FUSED_KERNELS) or 'none'}")
     (a.out / "verify_real.json").write_text(json.dumps(
         {"elapsed_s": round(time.time() - t0, 1), "pool_slots": shapes.pool_slots,
+         "fused_plans_by_kernel": dict(FUSED_KERNELS),
          "reports": [r.to_dict() for r in reports]}, indent=2))
     (a.out / "verify_real.txt").write_text("\n\n".join(text) + "\n")
     summary = ", ".join(f"{r.root}: {r.verdict}" for r in reports)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import traceback
+from collections import Counter
 from contextlib import contextmanager
 from typing import List
 
@@ -66,6 +67,11 @@ def compare(out: torch.Tensor, ref: torch.Tensor):
 FUSED_REL_TOL = 1.5e-2
 
 
+# Split-kernel launches planned in this process, by kernel ("gluon" or "triton"), counted
+# by fused_counted: a report can say which kernel its fused cases ran on.
+FUSED_KERNELS = Counter()
+
+
 @contextmanager
 def fused_counted(rt, calls: list):
     """The runtime's fused_mla wrapped, for the block, to count its launches into calls[0]:
@@ -74,15 +80,25 @@ def fused_counted(rt, calls: list):
     if real is None:
         yield
         return
+    choice = getattr(rt, "_fused_gluon_choice", None)  # runtime 7+: which split kernel
 
     def counted(*a, **k):
         calls[0] += 1
         return real(*a, **k)
+
+    def chosen(*a, **k):
+        picked = choice(*a, **k)
+        FUSED_KERNELS["gluon" if picked is not None else "triton"] += 1
+        return picked
     rt.fused_mla = counted
+    if choice is not None:
+        rt._fused_gluon_choice = chosen
     try:
         yield
     finally:
         rt.fused_mla = real
+        if choice is not None:
+            rt._fused_gluon_choice = choice
 
 
 FUSED_TOLERANCE = f"worst output vector |out - ref| / |ref| < {FUSED_REL_TOL} (fused FP8 path)"
