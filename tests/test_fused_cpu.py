@@ -179,3 +179,24 @@ def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
     for line in rows:
         regs, spill, smem = (int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line))
         assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
+
+
+def test_gluon_kernel_only_on_the_triton_and_gpu_it_has_run_on(monkeypatch):
+    """Gluon's API moves between Triton releases and its tiles are tuned per GPU: another
+    Triton version or GPU gets the Triton kernel (slower, never wrong), decided before any
+    build or launch."""
+    triton = pytest.importorskip("triton", reason="Triton is not importable: the Gluon build needs it")
+    fz = load_fused()
+    geometry = (16, 1, 512, 64, True, False, torch.device("cuda", 0), {"gluon": True}, 8, 32)
+    consts = (1, True, False, False)
+    built = []
+    monkeypatch.setattr(fz, "_fused_gluon_build", lambda: built.append(1) or False)
+    for cap, expect_build in (((8, 0), False), ((9, 0), True), ((10, 0), False)):
+        built.clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert fz._fused_gluon_choice(geometry, consts) is None
+        assert bool(built) == expect_build, cap
+    monkeypatch.undo()
+    fz._fused_gluon = None
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    assert fz._fused_gluon_build() is False

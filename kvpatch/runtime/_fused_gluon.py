@@ -42,6 +42,11 @@ FUSED_GLUON_TUNING = {
     "min_split": 64,
 }
 _fused_gluon = None  # the kernel, built on first use; False: no Gluon here
+# Where the Gluon kernel has run on a GPU (its GPU tests, verify, the benchmark). Gluon is
+# experimental and its API moves between Triton releases, and mma.sync tiles are tuned per
+# GPU: another Triton or GPU keeps the Triton kernel, which is slower, never wrong.
+FUSED_GLUON_TRITON = ("3.6.",)
+FUSED_GLUON_CAPABILITY = ((9, 0),)
 # Off until this integrated kernel has passed the GPU tests and verify on a device (the probe
 # of the same kernel, GPU run 43, was exact and 0.80-0.96x the Triton kernel's time; no device
 # time was left to run the integrated one): a config with "gluon": True selects it.
@@ -60,7 +65,7 @@ def _fused_gluon_choice(geometry, consts):
         return None
     if not cfg.get("gluon", FUSED_GLUON_DEFAULT) or device.type != "cuda":
         return None
-    if torch.cuda.get_device_capability(device) < (8, 0):  # mma.sync f16, cp.async
+    if torch.cuda.get_device_capability(device) not in FUSED_GLUON_CAPABILITY:
         return None
     kernel = _fused_gluon_build()
     if not kernel:
@@ -92,6 +97,10 @@ def _fused_gluon_build():
     if _fused_gluon is not None:
         return _fused_gluon
     try:
+        import triton
+
+        if not triton.__version__.startswith(FUSED_GLUON_TRITON):
+            raise ImportError(triton.__version__)
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
