@@ -454,3 +454,23 @@ def test_a_patched_file_no_driver_covers_is_named_not_verified(tmp_path):
     res = CliRunner().invoke(main, ["verify", str(root), "--cpu", "--quick", "--mode", "gather", "--no-graph"])
     assert res.exit_code == EXIT_UNVERIFIED, res.output
     assert "not verified: 1 patched file(s)" in res.output
+
+
+def test_fused_counted_counts_launches_and_which_split_kernel_each_plan_took():
+    """verify says which path served a case (fused launches) and, for a run, how many fused
+    plans took the Gluon split kernel and how many the Triton one; the runtime is restored."""
+    import types
+
+    from kvpatch.verify import judge
+
+    picks = iter([("gluon kernel",), None, None])
+    rt = types.SimpleNamespace(fused_mla=lambda *a: rt._fused_gluon_choice(), _fused_gluon_choice=lambda: next(picks))
+    real_mla, real_choice = rt.fused_mla, rt._fused_gluon_choice
+    calls, before = [0], dict(judge.FUSED_KERNELS)
+    with judge.fused_counted(rt, calls):
+        for _ in range(3):
+            rt.fused_mla()
+    assert calls == [3]
+    got = {k: judge.FUSED_KERNELS[k] - before.get(k, 0) for k in ("gluon", "triton")}
+    assert got == {"gluon": 1, "triton": 2}
+    assert rt.fused_mla is real_mla and rt._fused_gluon_choice is real_choice
