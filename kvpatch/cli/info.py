@@ -105,13 +105,13 @@ def verify(out: Out, path, mode, cpu, no_graph, quick, as_json):
     """Check that the patched checkout computes the same attention.
 
     Loads every patched backend of PATH (FlashInfer MLA; FA3/FA4, MUSA and
-    XPU; aiter's MHA extend) and its original (from .kvpatch/originals or git), runs their
+    XPU; aiter's MHA extend and decode) and its original (from .kvpatch/originals or git), runs their
     forward_decode and forward_extend on the same random FP8 pool, eager and
     under a CUDA graph, and compares: bit-identical for the gathered cast,
     within tolerance for native FP8 and for the fused FP8 attention of routed
     calls (CUDA with Triton only; on the CPU it is named as not run). FlashInfer runs its own kernels; the
     FA3-family and flash_mla kernels, which need sgl-kernel, and aiter's
-    mha_batch_prefill_func, which needs a ROCm GPU, run as a torch reference
+    mha_batch_prefill_func and paged_attention_ragged, which need a ROCm GPU, run as a torch reference
     with their semantics on both sides. A path that cannot run is
     reported as skipped with the reason, never as passed; a patched file of a
     backend verify has no driver for (aiter's MLA, say) is named NOT VERIFIED, and

@@ -1,31 +1,41 @@
-"""Verify aiter's MHA extend (KVP103 through ``mha_batch_prefill_func``), on the reference.
+"""Verify aiter's MHA extend and decode (KVP103 through ``mha_batch_prefill_func`` and
+``paged_attention_ragged``), on the reference.
 
-No ROCm GPU is lent, so aiter's kernel cannot run here: both sides (the checkout's
-original file and its patched one) run their own ``AiterAttnBackend.forward_extend`` on
-one random FP8 MHA pool (k and v halves of one storage, ``[slots, kv_heads, dim]``), with
-``aiter_reference.mha_batch_prefill_func`` standing in for the kernel, on the CPU or on a
-CUDA GPU. The metadata the backend reads is built as SGLang's ``init_forward_metadata``
-leaves it: ``qo_indptr``, and a ragged ``kv_indptr``/``kv_indices`` list of scattered
-slots with prefixes shared between requests, and stale entries past the batch in both
-buffers (the backend slices ``kv_indptr[:bs + 1]``). Cases: prefill with and without
+No ROCm GPU is lent, so aiter's kernels cannot run here: both sides (the checkout's
+original file and its patched one) run their own ``AiterAttnBackend.forward_extend`` and,
+where its MHA branch calls ``paged_attention_ragged``, ``forward_decode`` on one random FP8
+MHA pool (k and v halves of one storage, ``[slots, kv_heads, dim]``), with
+``aiter_reference`` standing in for the kernels, on the CPU or on a CUDA GPU. The metadata
+the backend reads is built as SGLang's ``init_forward_metadata`` leaves it: ``qo_indptr``,
+and a ragged ``kv_indptr``/``kv_indices`` list of scattered slots with prefixes shared
+between requests, and stale entries past the batch in both buffers (the extend slices
+``kv_indptr[:bs + 1]``). Cases: prefill with and without
 prefixes, one request and several, a sliding window, attention sinks, and a separate SWA page
-list (``forward_metadata.swa_page_table``) that a backend of 2026-01 reads under a window. Outputs must be
+list (``forward_metadata.swa_page_table``) that a backend of 2026-01 reads under a window. Decode:
+one query a request, ragged lengths, prefix slots shared, ``kv_indptr`` cut to the batch (as
+SGLang's decode metadata is) and stale ``kv_indices`` past it, with and without a logits soft
+cap, eager and replayed on fixed metadata buffers rewritten in place (a CUDA graph's replay;
+the reference reads its lists on the host, so nothing is captured). Outputs must be
 bit-identical; the patched run must make no full-pool copy; the runtime's shadow rows
 are poisoned (NaN) before each patched run, so a listed row left uncast shows.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import types
 
 import torch
 
-from .aiter_reference import KERNEL_NAME
+from .aiter_reference import DECODE_KERNEL_NAME, KERNEL_NAME, paged_attention_ragged
 from .fa3 import FA3Side, FA3Verifier, Layer, Meta, load_target
-from .fakes import EXTEND, Mode
-from .report import CaseResult
+from .fakes import DECODE, EXTEND, Mode
+from .judge import FullPoolGuard, _exc_text
+from .report import FAILED, SKIPPED, CaseResult
 from .side import ForwardBatch, call_bound
+from .targets import AITER_KERNEL, FORWARDS
+from kvpatch.names import RUNTIME_ALIAS
 from .world import FP8, Q_DTYPE, HarnessError
 
 SLOTS, HEADS, KV_HEADS, DIM = 4096, 8, 2, 64
@@ -34,6 +44,13 @@ CASES = (([0], [37]), ([100, 0, 7], [20, 13, 1]), ([250, 5], [3, 40]))
 VARIANTS = (("", None, False, False), ("window=16", 16, False, False), ("sinks", None, True, False),
             ("swa-table", 16, False, True))  # SGLang 2026-01 reads a separate SWA page list under a window
 STALE_BATCH = 3  # requests' worth of stale indptr entries past the batch
+DECODE_KERNEL = paged_attention_ragged.__name__  # the MHA decode kernel the reference stands in for
+DECODE_FN, EXTEND_FN = FORWARDS
+# KV lengths per decode case (one query a request); a logits soft cap (0: none) per variant.
+DECODE_LENS = ([37], [300, 5, 129], [64, 64, 1, 700])
+DECODE_VARIANTS = (("", 0.0), ("softcap", 30.0))
+REPLAY_LENS = ([20, 9, 40], [[150, 70, 190], [3, 1, 2]])  # the buffers' first batch, then replays (same bs)
+PARTITION = 256  # SGLang's _AITER_PARTITION_SIZE_ROCM: the workspace holds SLOTS keys in such partitions
 
 
 class MHAPool:
@@ -62,9 +79,9 @@ class MHAPool:
 
 
 class Case:
-    def __init__(self, gen, dev, prefix, extend, window=None, sinks=False, swa=False):
+    def __init__(self, gen, dev, prefix, extend, window=None, sinks=False, swa=False, cap=0.0, decode=False):
         self.lens = [p + e for p, e in zip(prefix, extend)]
-        self.qlens, self.window = list(extend), window
+        self.qlens, self.window, self.cap = list(extend), window, cap
         perm = (torch.randperm(SLOTS - 1, generator=gen, device=dev) + 1).tolist()
         rows, used = [], 0
         for b, n in enumerate(self.lens):
@@ -75,7 +92,8 @@ class Case:
         stale = [perm[used + i] for i in range(8 * STALE_BATCH)]  # never read: past the batch
         indptr = torch.tensor([0] + self.lens, device=dev).cumsum(0)
         tail = indptr[-1] + torch.arange(1, STALE_BATCH + 1, device=dev) * 8
-        self.kv_indptr = torch.cat([indptr, tail]).to(torch.int32)
+        # SGLang's decode metadata cuts kv_indptr to the batch; the extend's buffer runs on
+        self.kv_indptr = (indptr if decode else torch.cat([indptr, tail])).to(torch.int32)
         self.kv_indices = torch.tensor(sum(rows, []) + stale, device=dev, dtype=torch.int32)
         self.qo_indptr = torch.tensor([0] + self.qlens, device=dev).cumsum(0).to(torch.int32)
         nq = sum(self.qlens)
@@ -96,46 +114,116 @@ class Case:
 class AiterSide(FA3Side):
     def __init__(self, name, module, filename, source, pool, device, rel, cls_name):
         super().__init__(name, module, filename, source, pool, device, rel, cls_name)
+        # What SGLang's __init__ leaves for the MHA decode: unit k/v scales ([1] float32),
+        # 1/sqrt(head_dim), the partitions of the longest context, a byte workspace.
+        one = torch.ones(1, dtype=torch.float32, device=device)
         self.backend.__dict__.update(use_mla=False, kv_cache_dtype=FP8, input_dtype=Q_DTYPE, page_size=1,
-                                     k_scale=None, v_scale=None, kv_cache_is_vectorized_5d=False)
+                                     k_scale=one, v_scale=one.clone(), kv_cache_is_vectorized_5d=False,
+                                     scale=DIM ** -0.5, max_num_partitions=-(-SLOTS // PARTITION),
+                                     workspace_buffer=torch.empty(0, dtype=torch.uint8, device=device))
 
     def forward(self, kind: str, case: Case, meta=None, q_nope=None, q_pe=None):
+        """kind's forward on case; meta and q_nope (the queries) stand for a replay's fixed buffers."""
         b = self.backend
-        b.forward_metadata = case.meta()
+        b.forward_metadata = meta or case.meta()
         b.qo_indptr = case.qo_indptr
+        # SGLang's buffer is max_bs long; the kernel reads the batch's entries only
+        b.kv_last_page_len = torch.ones(len(case.lens) + STALE_BATCH, dtype=torch.int32, device=case.q.device)
         layer = Layer(layer_id=0, tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
-                      head_dim=DIM, qk_head_dim=DIM, v_head_dim=DIM, scaling=DIM ** -0.5, logit_cap=0.0,
+                      head_dim=DIM, qk_head_dim=DIM, v_head_dim=DIM, scaling=DIM ** -0.5, logit_cap=case.cap,
                       sliding_window_size=case.window, is_cross_attention=False, k_scale=None, v_scale=None)
         fb = ForwardBatch(forward_mode=Mode(kind), batch_size=len(case.lens), token_to_kv_pool=b.token_to_kv_pool,
                           extend_prefix_lens_cpu=None, spec_info=None)
-        o = call_bound(b.forward_extend, dict(q=case.q, k=None, v=None, layer=layer, forward_batch=fb,
-                                              save_kv_cache=False, sinks=case.sinks),
-                       what=f"{self.cls_name}.forward_extend")
+        name = DECODE_FN if kind == DECODE else EXTEND_FN
+        args = dict(q=case.q if q_nope is None else q_nope, k=None, v=None, layer=layer, forward_batch=fb,
+                    save_kv_cache=False)
+        o = call_bound(getattr(b, name), args if kind == DECODE else dict(args, sinks=case.sinks),
+                       what=f"{self.cls_name}.{name}")
         if not isinstance(o, torch.Tensor):
-            raise HarnessError(f"{self.cls_name}.forward_extend returned {type(o).__name__}, not a tensor: the "
+            raise HarnessError(f"{self.cls_name}.{name} returned {type(o).__name__}, not a tensor: the "
                                "kernel it calls on this path has no reference in verify")
         return o
 
 
 class AiterVerifier(FA3Verifier):
+    decode = False  # the class's forward_decode calls DECODE_KERNEL: drive it too
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.capture = False  # the reference reads its lists on the host: replayed, never captured
+
     def case_result(self, kind, exec_, label, variant="") -> CaseResult:
-        c = CaseResult(file=self.rel, qualname=f"{self.pat.cls_name}.forward_extend", path="prefill", mode="gather",
-                       exec=exec_, batch=label, kernel=KERNEL_NAME, variant=variant)
+        dec = kind == DECODE
+        c = CaseResult(file=self.rel, qualname=f"{self.pat.cls_name}.{DECODE_FN if dec else EXTEND_FN}",
+                       path="decode" if dec else "prefill", mode="gather", exec=exec_, batch=label,
+                       kernel=DECODE_KERNEL_NAME if dec else KERNEL_NAME, variant=variant)
         self.report.cases.append(c)
         return c
 
     def selfcheck_forward(self):
         self.orig.forward(EXTEND, Case(self.gen, self.dev, [3], [5]))
 
+    def decode_case(self, lens, cap=0.0):
+        return Case(self.gen, self.dev, [n - 1 for n in lens], [1] * len(lens), cap=cap, decode=True)
+
     def run(self, graph: bool, quick: bool = False):
         self.guard_selfcheck()
         for prefix, extend in CASES[:2] if quick else CASES:
             for variant, window, sinks, swa in VARIANTS:
                 self.eager(EXTEND, Case(self.gen, self.dev, prefix, extend, window, sinks, swa), variant)
+        if not self.decode:
+            return
+        for lens in DECODE_LENS[:2] if quick else DECODE_LENS:
+            for variant, cap in DECODE_VARIANTS:
+                self.eager(DECODE, self.decode_case(lens, cap), variant)
+        if graph:
+            self.replay()
+
+    def replay(self):
+        """Decode on fixed metadata buffers (SGLang's graph buffers: kv_indptr, a kv_indices
+        buffer longer than any batch's list, the queries) rewritten in place before each run."""
+        first, later = REPLAY_LENS
+        cap = self.decode_case(first)
+        cases = [self.decode_case(lens) for lens in later]
+        results = [self.case_result(DECODE, "replay", f"{cs.label()} (first kv_lens={first})") for cs in cases]
+        meta = cap.meta()
+        meta.kv_indptr = cap.kv_indptr.clone()
+        meta.kv_indices = torch.zeros(sum(max(ls) for ls in zip(first, *later)) + 8 * STALE_BATCH,
+                                      dtype=torch.int32, device=self.dev)
+        q = cap.q.clone()
+        runs = [(None, cap)] + list(zip(results, cases))
+        for c, cs in runs:
+            try:
+                ref = self.orig.forward(DECODE, cs).clone()
+            except Exception as exc:
+                for r in results:
+                    r.status, r.message = SKIPPED, f"original raised {_exc_text(exc, self.orig)}: nothing to compare"
+                return
+            meta.kv_indptr.copy_(cs.kv_indptr)  # SGLang's replay: the same buffers, new contents
+            meta.kv_indices.fill_(0)
+            meta.kv_indices[: cs.kv_indices.numel()].copy_(cs.kv_indices)
+            q.copy_(cs.q)
+            guard = FullPoolGuard(self.world.pool_ptr(), self.world.store.numel(), self.pat)
+            try:
+                if c is not None:
+                    self.rt.poison_shadows()
+                with guard:
+                    out = self.pat.forward(DECODE, cs, meta, q).clone()
+            except Exception as exc:
+                if c is None:
+                    for r in results:
+                        r.status, r.message = FAILED, f"first run raised {_exc_text(exc, self.pat)}"
+                    return
+                c.status, c.message = FAILED, f"replay raised {_exc_text(exc, self.pat)}"
+                continue
+            if c is not None:
+                self.judge(c, out, ref, guard.hits)
+                if c.passed:
+                    c.message = "kv_indptr, kv_indices and queries rewritten in place before the run"
 
 
 def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, find_runtime, redirect):
-    """The aiter MHA-extend cases of one target file (``harness._verify_target``'s counterpart)."""
+    """The aiter MHA cases of one target file (``harness._verify_target``'s counterpart)."""
     loaded = load_target(t, sandbox, report, find_runtime, redirect)
     if loaded is None:
         return
@@ -151,27 +239,41 @@ def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, fin
         report.errors.append(str(exc))
         return
     report.files.append(t.rel)
-    for name in _other_rewritten(patched_src, t.cls):
-        report.unverified.append(f"{t.rel}: {t.cls}.{name} is rewritten too, but verify drives only "
-                                 f"forward_extend's mha_batch_prefill_func for aiter: not verified")
-    report.notes.append(f"{t.rel}: aiter's mha_batch_prefill_func runs as the torch reference ({KERNEL_NAME}) on "
-                        f"{world.device}: no ROCm GPU is lent, the real kernel did not run")
+    methods = _methods(patched_src, t.cls)
+    rewritten = [name for name, fn in methods.items() if _calls(fn, RUNTIME_ALIAS)]
+    decode = DECODE_FN in methods and _calls(methods[DECODE_FN], DECODE_KERNEL)
+    kernels = f"{EXTEND_FN}'s {AITER_KERNEL}" + (f" and {DECODE_FN}'s {DECODE_KERNEL}" if decode else "")
+    for name in rewritten:
+        if name not in (EXTEND_FN, DECODE_FN) or (name == DECODE_FN and not decode):
+            report.unverified.append(f"{t.rel}: {t.cls}.{name} is rewritten too, but verify drives only "
+                                     f"{kernels} for aiter: not verified")
+    report.notes.append(f"{t.rel}: aiter's {kernels} run as the torch references ({KERNEL_NAME}"
+                        + (f", {DECODE_KERNEL_NAME}" if decode else "")
+                        + f") on {world.device}: no ROCm GPU is lent, the real kernels did not run")
     os.environ["KVPATCH_MODE"] = "gather"
     rt.reset()
-    log(f"{t.rel}: aiter MHA extend ({t.cls}), original from {t.original_from}, kernel {KERNEL_NAME}")
-    AiterVerifier(t.rel, orig, pat, rt, mha, report, gen).run(graph, quick)
+    log(f"{t.rel}: aiter MHA {'extend and decode' if decode else 'extend'} ({t.cls}), original from "
+        f"{t.original_from}, kernels {KERNEL_NAME}" + (f", {DECODE_KERNEL_NAME}" if decode else ""))
+    v = AiterVerifier(t.rel, orig, pat, rt, mha, report, gen)
+    v.decode = decode
+    v.run(graph, quick)
     rt.reset()
+    ran = [c for c in report.cases if c.file == t.rel and c.qualname == f"{t.cls}.{DECODE_FN}"]
+    if decode and DECODE_FN in rewritten and not any(c.passed or c.failed for c in ran):
+        # every decode case skipped (the original does not run here): its rewrite is unproven
+        report.unverified.append(f"{t.rel}: {t.cls}.{DECODE_FN} is rewritten, but none of its {DECODE_KERNEL} "
+                                 "cases ran: not verified")
 
 
-def _other_rewritten(source: str, cls_name: str):
-    """Methods of the class other than forward_extend that call kvpatch's runtime."""
-    import ast
-
-    from kvpatch.names import RUNTIME_ALIAS
-
+def _methods(source: str, cls_name: str):
+    """{name: FunctionDef} of the methods of class cls_name in source."""
     for node in ast.parse(source).body:
         if isinstance(node, ast.ClassDef) and node.name == cls_name:
-            for fn in node.body:
-                if isinstance(fn, ast.FunctionDef) and fn.name != "forward_extend" and any(
-                        isinstance(n, ast.Name) and n.id == RUNTIME_ALIAS for n in ast.walk(fn)):
-                    yield fn.name
+            return {fn.name: fn for fn in node.body if isinstance(fn, ast.FunctionDef)}
+    return {}
+
+
+def _calls(fn, name: str) -> bool:
+    """fn names `name` (a call of it, or the runtime's alias, as a name or an attribute)."""
+    return any((isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
+               for n in ast.walk(fn))

@@ -1,4 +1,5 @@
-"""Torch stand-in for aiter's ``mha_batch_prefill_func`` (ROCm/aiter, aiter/ops/mha.py).
+"""Torch stand-ins for aiter's ``mha_batch_prefill_func`` (ROCm/aiter, aiter/ops/mha.py) and
+``paged_attention_ragged`` (aiter/ops/attention.py).
 
 No ROCm GPU is lent to verify, so both sides of a verify run this reference (on the
 CPU, or on a CUDA GPU): it has the kernel's semantics for what a patched cast can
@@ -19,6 +20,20 @@ define it (the first eight parameters are the same in all of them):
   defaults to ``d ** -0.5``; ``sink_ptr`` (one logit per head) joins each softmax's
   denominator; ``k_descale``/``v_descale`` scale an FP8 cache read as is.
 - ``return_lse``: ``(out, lse [heads, total_q])``; ``out=`` is written and returned.
+
+``paged_attention_ragged`` (MHA decode; its parameters are ``pagedcall.RAGGED_KERNELS``'):
+
+- one query token a request: ``query`` ``[num_seqs, heads, d]``, ``out`` the same shape
+  (``dv`` wide), written and returned; GQA, ``heads`` a multiple of the cache's heads.
+- ``key_cache``/``value_cache`` ``[blocks, block_size, kv_heads, d]`` ("NHD"; "HND" swaps
+  dims 1 and 2). Request ``b`` reads the pages ``kv_page_indices[kv_indptr[b]:kv_indptr[b + 1]]``,
+  in that order, each full but the last, which holds ``kv_last_page_lens[b]`` slots; the
+  batch is ``num_seqs``, so entries of the three lists past it are never read.
+- ``kv_cache_dtype="auto"``: the cache is in the query's dtype (an 8-bit cache under "auto"
+  would be read as other bytes: refused); "fp8"/"fp8_e4m3"/"fp8_e5m2": an 8-bit float cache
+  read times ``k_scale``/``v_scale``. ``logits_soft_cap`` > 0 as above; ``scale`` multiplies
+  the scores. A context past ``max_num_partitions * partition_size`` (the workspace's
+  partitions) is refused, as the kernel cannot hold it.
 """
 
 from __future__ import annotations
@@ -26,11 +41,15 @@ from __future__ import annotations
 import torch
 
 KERNEL_NAME = "reference-aiter-mha-batch-prefill"
+DECODE_KERNEL_NAME = "reference-aiter-paged-attention-ragged"
+# What aiter's kv_cache_dtype calls the query's own dtype, and an 8-bit float cache it dequantizes.
+SAME_DTYPE, FP8_CACHE_DTYPES = "auto", ("fp8", "fp8_e4m3", "fp8_e5m2")
+LAYOUTS = ("NHD", "HND")  # [blocks, block_size, heads, d] and [blocks, heads, block_size, d]
 
 
 def _scaled(x, descale):
-    x = x.float()
-    return x * descale.float().reshape(-1)[0] if descale is not None else x
+    x = x.float()  # a scale is a tensor (SGLang's [1] float32) or a plain float
+    return x * torch.as_tensor(descale, device=x.device).float().reshape(-1)[0] if descale is not None else x
 
 
 def mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices, max_seqlen_q, max_seqlen_k,
@@ -97,5 +116,66 @@ def mha_batch_prefill_func(q, k, v, cu_seqlens_q, kv_indptr, kv_page_indices, ma
     return (o, lse.transpose(0, 1).contiguous()) if return_lse else o
 
 
-# By the names SGLang imports them under (stubs.REAL).
-REAL = {"mha_batch_prefill_func": mha_batch_prefill_func}
+def _decode_checks(query, key_cache, value_cache, alibi_slopes, kv_cache_dtype, kv_cache_layout, fp8_out_scale, mtp):
+    if alibi_slopes is not None or fp8_out_scale is not None or mtp != 1:
+        raise NotImplementedError("reference paged_attention_ragged: no ALiBi, FP8 output or mtp > 1")
+    if kv_cache_layout not in LAYOUTS or key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise NotImplementedError(f"reference paged_attention_ragged: rank-4 {LAYOUTS} caches only, got "
+                                  f"{kv_cache_layout!r} k {tuple(key_cache.shape)}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if kv_cache_dtype == SAME_DTYPE and cache.dtype != query.dtype:
+            # the real kernel would read the cache's bytes as the query's dtype: garbage, not an error
+            raise TypeError(f"paged_attention_ragged: kv_cache_dtype={SAME_DTYPE!r} with a {cache.dtype} {name} "
+                            f"and {query.dtype} queries")
+        if kv_cache_dtype in FP8_CACHE_DTYPES and not (cache.is_floating_point() and cache.element_size() == 1):
+            raise TypeError(f"paged_attention_ragged: kv_cache_dtype={kv_cache_dtype!r} with a {cache.dtype} {name}")
+    if kv_cache_dtype != SAME_DTYPE and kv_cache_dtype not in FP8_CACHE_DTYPES:
+        raise NotImplementedError(f"reference paged_attention_ragged: kv_cache_dtype={kv_cache_dtype!r}")
+
+
+def paged_attention_ragged(out, workspace_buffer, query, key_cache, value_cache, scale, kv_indptr, kv_page_indices,
+                           kv_last_page_lens, block_size, max_num_partitions, alibi_slopes, kv_cache_dtype,
+                           kv_cache_layout, logits_soft_cap, k_scale, v_scale, fp8_out_scale=None,
+                           partition_size=256, mtp=1):
+    _decode_checks(query, key_cache, value_cache, alibi_slopes, kv_cache_dtype, kv_cache_layout, fp8_out_scale, mtp)
+    if kv_cache_layout != LAYOUTS[0]:
+        key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
+    blocks, bsz, kv_heads, d = key_cache.shape
+    if bsz != block_size:
+        raise ValueError(f"paged_attention_ragged: block_size={block_size}, but the cache's pages hold {bsz} slots")
+    num_seqs, heads, _ = query.shape
+    group = heads // kv_heads
+    indptr = kv_indptr.to(torch.int64).tolist()[: num_seqs + 1]  # the batch is the queries': the rest is stale
+    last = kv_last_page_lens.to(torch.int64).tolist()[:num_seqs]
+    if len(indptr) != num_seqs + 1 or len(last) != num_seqs:
+        raise ValueError(f"paged_attention_ragged: {num_seqs} queries, kv_indptr of {kv_indptr.numel()} and "
+                         f"kv_last_page_lens of {kv_last_page_lens.numel()}")
+    fp8 = kv_cache_dtype in FP8_CACHE_DTYPES  # "auto" reads the cache as is: the scales are not applied
+    k_descale, v_descale = (k_scale, v_scale) if fp8 else (None, None)
+    k_slots = key_cache.reshape(blocks * bsz, kv_heads, d)  # slot = page * block_size + offset
+    v_slots = value_cache.reshape(blocks * bsz, kv_heads, value_cache.shape[-1])
+    qf = query.float().reshape(num_seqs, kv_heads, group, d)
+    o = torch.zeros((num_seqs, heads, v_slots.shape[-1]), dtype=torch.float32, device=query.device)
+    offsets = torch.arange(bsz, device=query.device)
+    for b in range(num_seqs):
+        pages = kv_page_indices[indptr[b]:indptr[b + 1]].to(torch.int64)  # only the listed pages are read
+        if pages.numel() == 0:
+            continue
+        if not 1 <= last[b] <= bsz:
+            raise ValueError(f"paged_attention_ragged: kv_last_page_lens[{b}]={last[b]} with pages of {bsz} slots")
+        length = (pages.numel() - 1) * bsz + last[b]
+        if length > max_num_partitions * partition_size:
+            raise ValueError(f"paged_attention_ragged: request {b} has {length} keys, past the workspace's "
+                             f"{max_num_partitions} partitions of {partition_size}")
+        rows = (pages[:, None] * bsz + offsets).reshape(-1)[:length]
+        kk, vv = _scaled(k_slots[rows], k_descale), _scaled(v_slots[rows], v_descale)  # [L, hk, d]
+        s = torch.einsum("kgd,jkd->kgj", qf[b], kk) * scale
+        if logits_soft_cap and logits_soft_cap > 0:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        o[b] = torch.einsum("kgj,jkd->kgd", s.softmax(-1), vv).reshape(heads, -1)
+    out[:num_seqs].copy_(o.to(out.dtype).reshape(out[:num_seqs].shape))
+    return out
+
+
+# By the names SGLang imports them under (stubs.REAL): the kernels' own.
+REAL = {f.__name__: f for f in (mha_batch_prefill_func, paged_attention_ragged)}

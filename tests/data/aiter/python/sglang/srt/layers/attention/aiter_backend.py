@@ -3,7 +3,10 @@
 As SGLang's aiter backend did from 2025-09 to 2026-02: forward_extend reads the (k, v)
 pool, casts both halves to the query dtype when the pool is FP8, and hands them unviewed
 (rank 3, one slot per page) to aiter's mha_batch_prefill_func with FlashInfer's ragged
-page list (kv_indptr sliced to the batch, kv_indices); KVP103 rewrites both casts.
+page list (kv_indptr sliced to the batch, kv_indices); forward_decode's MHA branch casts
+both halves the same way and hands them, viewed as pages of one slot, to aiter's
+paged_attention_ragged with the decode's ragged list (kv_indptr already cut to the batch
+by the metadata). KVP103 rewrites the four casts.
 """
 
 import torch
@@ -12,9 +15,11 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.quantization.fp8_kernel import fp8_dtype
 
 try:
-    from aiter import mha_batch_prefill_func
+    from aiter import mha_batch_prefill_func, paged_attention_ragged
 except ImportError:
     print("aiter is not installed")
+
+_PARTITION_SIZE = 256  # the partition paged_attention_ragged's workspace was sized for
 
 
 class AiterAttnBackend(AttentionBackend):
@@ -58,3 +63,46 @@ class AiterAttnBackend(AttentionBackend):
         )
 
         return o.view(-1, layer.tp_q_head_num * layer.head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
+        o = torch.empty_like(q, dtype=self.input_dtype)
+
+        if self.use_mla:
+            raise NotImplementedError("the MLA paths are not part of this fixture")
+        else:
+            self.logits_soft_cap = layer.logit_cap
+
+            k_cache, v_cache = forward_batch.token_to_kv_pool.get_kv_buffer(
+                layer.layer_id
+            )
+
+            # paged_attention_ragged does not take an FP8 cache here
+            if self.kv_cache_dtype == fp8_dtype:
+                dtype = q.dtype
+                k_cache = k_cache.to(dtype)
+                v_cache = v_cache.to(dtype)
+
+            paged_attention_ragged(
+                o.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                self.workspace_buffer,
+                q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                k_cache.view(-1, 1, layer.tp_k_head_num, layer.qk_head_dim),
+                v_cache.view(-1, 1, layer.tp_v_head_num, layer.v_head_dim),
+                self.scale,
+                self.forward_metadata.kv_indptr,
+                self.forward_metadata.kv_indices,
+                self.kv_last_page_len,
+                1,
+                self.max_num_partitions,
+                None,
+                "auto",
+                "NHD",
+                self.logits_soft_cap,
+                self.k_scale,
+                self.v_scale,
+                None,
+                _PARTITION_SIZE,
+            )
+
+        return o
