@@ -9,7 +9,8 @@ q in every warp (GPU run 34: ~47 shared wavefronts a row). The QK contraction is
 across the four warps by latent chunk (warp w: latent dims 128 w.., rope dims 16 w..); the
 partial scores are summed through shared memory, a quarter of the columns a warp; warp w's PV
 runs on its own chunk. Same split-KV partials as the Triton kernel, merged by its combine.
-GPU run 43 (the standalone probe of 1bfe715, H100): 0.80-0.96x the Triton kernel's time at 16 heads.
+GPU run 43 (the standalone probe of 1bfe715, H100): 0.80-0.96x the Triton kernel's time at 16 heads;
+in the runtime (run 44): 0.62-0.86x FlashInfer's bf16 kernel. It serves by default.
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); the
 imports above the "joined from here" line only let this part read alone.
@@ -47,10 +48,10 @@ _fused_gluon = None  # the kernel, built on first use; False: no Gluon here
 # GPU: another Triton or GPU keeps the Triton kernel, which is slower, never wrong.
 FUSED_GLUON_TRITON = ("3.6.",)
 FUSED_GLUON_CAPABILITY = ((9, 0),)
-# Off until this integrated kernel has passed the GPU tests and verify on a device (the probe
-# of the same kernel, GPU run 43, was exact and 0.80-0.96x the Triton kernel's time; no device
-# time was left to run the integrated one): a config with "gluon": True selects it.
-FUSED_GLUON_DEFAULT = False
+# On since its GPU tests and verify on the real trees passed (GPU runs 44-46, H100: 0.62-0.86x
+# FlashInfer's bf16 kernel at 16 heads, against 0.74-0.96x for the Triton kernel): a config
+# with "gluon": False keeps the Triton kernel.
+FUSED_GLUON_DEFAULT = True
 
 
 def _fused_gluon_choice(geometry, consts):

@@ -419,8 +419,8 @@ def _split_kernel_name():
 def test_gluon_split_kernel_serves_16_heads_and_agrees_with_triton(ps, scales):
     """16 heads, one token, "gluon": True: the plan takes the Gluon split kernel (runtime part
     _fused_gluon); both kernels within the fp32-reference tolerance on page tables, with FP8
-    scales, bit-identical run to run. A wrong page fails the check. (Off by default until
-    this test and verify have run on a device: FUSED_GLUON_DEFAULT.)"""
+    scales, bit-identical run to run. A wrong page fails the check. (It serves 16-head decode
+    by default, FUSED_GLUON_DEFAULT, since this test and verify passed on a device.)"""
     if not RT._fused_gluon_build():
         pytest.skip("this Triton has no Gluon: the Triton kernel serves (tested above)")
     kw0 = dict(config=dict(RT.FUSED_TUNING["small"], gluon=True))
