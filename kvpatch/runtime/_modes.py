@@ -17,6 +17,7 @@ import re
 
 import torch
 
+# 9: the Gluon split kernel serves 16-head, one-token decode by default (on Triton 3.6, SM 9.0)
 # 8: a routed call's whole cast casts an e5m2 pool too (it cast e4m3 only); fused_mla refuses
 # a pool that is not e4m3 (its kernels convert with e4m3's instructions)
 # 7: the fused split kernel in Gluon for 16-head, one-token decode (runtime part _fused_gluon)
@@ -24,7 +25,7 @@ import torch
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "8"
+__kvpatch_runtime_version__ = "9"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
