@@ -352,3 +352,47 @@ def test_paged_attention_ragged_reference_dtypes_scales_and_signature():
     ref = _naive_decode(q, k8.float(), v8.float(), indptr, indices, [1], 1, k_scale=0.5, v_scale=2.0)
     assert torch.allclose(got, ref, atol=1e-5)
     assert tuple(inspect.signature(paged_attention_ragged).parameters) == RAGGED_KERNELS[DECODE_KERNEL]
+
+
+def _decode_only(tmp_path: Path) -> Path:
+    """The fixture without its forward_extend: a backend from before aiter's
+    mha_batch_prefill_func (2025-09), whose only aiter call is the MHA decode."""
+    root = tmp_path / "aiter-decode-only"
+    shutil.copytree(FIXTURE, root)
+    f = root / REL
+    text = f.read_text()
+    start = text.index("    def forward_extend(")
+    end = text.index("    def forward_decode(")
+    f.write_text(text[:start] + text[end:])
+    r = CliRunner().invoke(main, ["apply", str(root)])
+    assert r.exit_code in (0, 1), r.output
+    assert f.read_text().count("kv_pages_for_kernel(") == 2, r.output  # the decode's two casts
+    return root
+
+
+def test_a_backend_with_only_the_decode_is_driven_and_verified(tmp_path):
+    from kvpatch.verify import aiter_reference
+    from kvpatch.verify.targets import AITER, AITER_DECODE_KERNEL, backend_family
+
+    # the name verify recognises the class by is the reference's own (and SGLang's import)
+    assert aiter_reference.paged_attention_ragged.__name__ == AITER_DECODE_KERNEL
+    assert AITER_DECODE_KERNEL in aiter_reference.REAL
+    root = _decode_only(tmp_path)
+    assert backend_family((root / REL).read_text()) == (AITER, "AiterAttnBackend")
+    r = run_verify(root, device="cpu", quick=True)
+    assert r.ok and not r.unverified, r.format()
+    assert r.format().splitlines()[0].endswith("OK (device=cpu, kernel=reference, gpu_ran=False)"), r.format()
+    assert {c.qualname for c in r.cases} == {DECODE_SITE}, r.format()  # no extend to run
+    assert r.cases and all(c.passed for c in r.cases), r.format()
+
+
+def test_a_decode_only_backend_still_catches_a_wrong_row_rewrite(tmp_path):
+    root = _decode_only(tmp_path)
+    f = root / REL
+    text = f.read_text()
+    assert text.count(DECODE_LIST) == 2
+    f.write_text(text.replace(DECODE_LIST, "ragged_pages(self.forward_metadata.kv_indptr[:-1], "
+                                           "self.forward_metadata.kv_indices, 1)"))
+    r = run_verify(root, device="cpu", quick=True)
+    assert not r.ok and {c.qualname for c in r.failures} == {DECODE_SITE}, r.format()
+    assert "NaN: a page the kernel reads was not cast" in failures(r)

@@ -421,8 +421,10 @@ def test_originals_from_git_after_a_real_apply(tmp_path):
 
 
 def test_a_patched_file_no_driver_covers_is_named_not_verified(tmp_path):
-    """A rewrite verify cannot drive (aiter's ragged pages, say) is never folded into an OK:
-    the verdict is PARTLY VERIFIED, the file is named, and the CLI exits 3."""
+    """A rewrite verify cannot prove is never folded into an OK: the verdict is PARTLY
+    VERIFIED, the file is named, and the CLI exits 3. Here, aiter's decode example: verify
+    drives it, but its original cannot run in the harness (the example leaves names such as
+    fp8_dtype and o unbound), so every case skips and nothing proves the rewrite."""
     from click.testing import CliRunner
 
     from kvpatch.cli.commands import main
@@ -445,7 +447,7 @@ def test_a_patched_file_no_driver_covers_is_named_not_verified(tmp_path):
     (root / ".kvpatch" / "state.json").write_text(json.dumps(state))
 
     r = verify(root, modes=("gather",))
-    assert r.ok and r.files == [BACKEND], r.format()  # what ran passed ...
+    assert r.ok and BACKEND in r.files, r.format()  # what ran passed ...
     assert len(r.unverified) == 1 and r.unverified[0].startswith(aiter)  # ... and this did not run
     text = r.format()
     assert text.splitlines()[0].endswith("PARTLY VERIFIED (device=cpu, kernel=reference, gpu_ran=False)")

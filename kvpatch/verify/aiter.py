@@ -28,13 +28,13 @@ import types
 
 import torch
 
-from .aiter_reference import DECODE_KERNEL_NAME, KERNEL_NAME, paged_attention_ragged
+from .aiter_reference import DECODE_KERNEL_NAME, KERNEL_NAME
 from .fa3 import FA3Side, FA3Verifier, Layer, Meta, load_target
 from .fakes import DECODE, EXTEND, Mode
 from .judge import FullPoolGuard, _exc_text
 from .report import FAILED, SKIPPED, CaseResult
 from .side import ForwardBatch, call_bound
-from .targets import AITER_KERNEL, FORWARDS
+from .targets import AITER_DECODE_KERNEL, AITER_KERNEL, FORWARDS
 from kvpatch.names import RUNTIME_ALIAS
 from .world import FP8, Q_DTYPE, HarnessError
 
@@ -44,7 +44,7 @@ CASES = (([0], [37]), ([100, 0, 7], [20, 13, 1]), ([250, 5], [3, 40]))
 VARIANTS = (("", None, False, False), ("window=16", 16, False, False), ("sinks", None, True, False),
             ("swa-table", 16, False, True))  # SGLang 2026-01 reads a separate SWA page list under a window
 STALE_BATCH = 3  # requests' worth of stale indptr entries past the batch
-DECODE_KERNEL = paged_attention_ragged.__name__  # the MHA decode kernel the reference stands in for
+DECODE_KERNEL = AITER_DECODE_KERNEL  # the MHA decode kernel the reference stands in for
 DECODE_FN, EXTEND_FN = FORWARDS
 # KV lengths per decode case (one query a request); a logits soft cap (0: none) per variant.
 DECODE_LENS = ([37], [300, 5, 129], [64, 64, 1, 700])
@@ -147,6 +147,7 @@ class AiterSide(FA3Side):
 
 class AiterVerifier(FA3Verifier):
     decode = False  # the class's forward_decode calls DECODE_KERNEL: drive it too
+    extend = True  # its forward_extend calls AITER_KERNEL (a backend before 2025-09 has the decode only)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -161,14 +162,17 @@ class AiterVerifier(FA3Verifier):
         return c
 
     def selfcheck_forward(self):
-        self.orig.forward(EXTEND, Case(self.gen, self.dev, [3], [5]))
+        if self.extend:
+            self.orig.forward(EXTEND, Case(self.gen, self.dev, [3], [5]))
+        else:
+            self.orig.forward(DECODE, self.decode_case([5, 9]))
 
     def decode_case(self, lens, cap=0.0):
         return Case(self.gen, self.dev, [n - 1 for n in lens], [1] * len(lens), cap=cap, decode=True)
 
     def run(self, graph: bool, quick: bool = False):
         self.guard_selfcheck()
-        for prefix, extend in CASES[:2] if quick else CASES:
+        for prefix, extend in (CASES[:2] if quick else CASES) if self.extend else ():
             for variant, window, sinks, swa in VARIANTS:
                 self.eager(EXTEND, Case(self.gen, self.dev, prefix, extend, window, sinks, swa), variant)
         if not self.decode:
@@ -241,28 +245,31 @@ def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, fin
     report.files.append(t.rel)
     methods = _methods(patched_src, t.cls)
     rewritten = [name for name, fn in methods.items() if _calls(fn, RUNTIME_ALIAS)]
-    decode = DECODE_FN in methods and _calls(methods[DECODE_FN], DECODE_KERNEL)
-    kernels = f"{EXTEND_FN}'s {AITER_KERNEL}" + (f" and {DECODE_FN}'s {DECODE_KERNEL}" if decode else "")
+    # The forwards verify drives: each that calls its kernel (a backend before 2025-09 has no
+    # mha_batch_prefill_func extend), with (kernel, reference's name).
+    driven = {fn: ref for fn, kernel, ref in ((EXTEND_FN, AITER_KERNEL, KERNEL_NAME),
+                                               (DECODE_FN, DECODE_KERNEL, DECODE_KERNEL_NAME))
+              if fn in methods and _calls(methods[fn], kernel)}
+    kernels = " and ".join(f"{fn}'s {AITER_KERNEL if fn == EXTEND_FN else DECODE_KERNEL}" for fn in driven)
     for name in rewritten:
-        if name not in (EXTEND_FN, DECODE_FN) or (name == DECODE_FN and not decode):
+        if name not in driven:
             report.unverified.append(f"{t.rel}: {t.cls}.{name} is rewritten too, but verify drives only "
                                      f"{kernels} for aiter: not verified")
-    report.notes.append(f"{t.rel}: aiter's {kernels} run as the torch references ({KERNEL_NAME}"
-                        + (f", {DECODE_KERNEL_NAME}" if decode else "")
-                        + f") on {world.device}: no ROCm GPU is lent, the real kernels did not run")
+    report.notes.append(f"{t.rel}: aiter's {kernels} run as the torch references ({', '.join(driven.values())})"
+                        f" on {world.device}: no ROCm GPU is lent, the real kernels did not run")
     os.environ["KVPATCH_MODE"] = "gather"
     rt.reset()
-    log(f"{t.rel}: aiter MHA {'extend and decode' if decode else 'extend'} ({t.cls}), original from "
-        f"{t.original_from}, kernels {KERNEL_NAME}" + (f", {DECODE_KERNEL_NAME}" if decode else ""))
+    log(f"{t.rel}: aiter MHA {' and '.join(fn.split('_')[1] for fn in driven)} ({t.cls}), original from "
+        f"{t.original_from}, kernels {', '.join(driven.values())}")
     v = AiterVerifier(t.rel, orig, pat, rt, mha, report, gen)
-    v.decode = decode
+    v.extend, v.decode = EXTEND_FN in driven, DECODE_FN in driven
     v.run(graph, quick)
     rt.reset()
-    ran = [c for c in report.cases if c.file == t.rel and c.qualname == f"{t.cls}.{DECODE_FN}"]
-    if decode and DECODE_FN in rewritten and not any(c.passed or c.failed for c in ran):
-        # every decode case skipped (the original does not run here): its rewrite is unproven
-        report.unverified.append(f"{t.rel}: {t.cls}.{DECODE_FN} is rewritten, but none of its {DECODE_KERNEL} "
-                                 "cases ran: not verified")
+    for fn in driven:
+        ran = [c for c in report.cases if c.file == t.rel and c.qualname == f"{t.cls}.{fn}"]
+        if fn in rewritten and not any(c.passed or c.failed for c in ran):
+            # every case skipped (the original does not run here): its rewrite is unproven
+            report.unverified.append(f"{t.rel}: {t.cls}.{fn} is rewritten, but none of its cases ran: not verified")
 
 
 def _methods(source: str, cls_name: str):

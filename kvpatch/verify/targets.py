@@ -30,8 +30,10 @@ FA3_CLASS = "FlashAttentionBackend"
 FA3_KERNEL = "flash_attn_with_kvcache"
 FORWARDS = ("forward_decode", "forward_extend")
 FLASHINFER_MLA, FA3 = "flashinfer_mla", "fa3"
-# aiter's MHA extend through mha_batch_prefill_func (KVP103's slot-ragged kernels), verify/aiter.py.
-AITER, AITER_KERNEL = "aiter", "mha_batch_prefill_func"
+# aiter's MHA extend through mha_batch_prefill_func and decode through paged_attention_ragged
+# (KVP103's slot-ragged kernels), verify/aiter.py. A backend older than the extend kernel
+# (before 2025-09) calls only the decode one.
+AITER, AITER_KERNEL, AITER_DECODE_KERNEL = "aiter", "mha_batch_prefill_func", "paged_attention_ragged"
 # NSA/DSA's sparse backends (KVP105): forwards hand the cast to self._helper methods that call
 # a sparse kernel (the kernels KVP105 knows, FA3's excepted: alone it is the family above),
 # verify/sparse.py.
@@ -113,7 +115,7 @@ def backend_family(source: str) -> Tuple[str, str]:
     own = [n.name for n in classes if _forwards_call(n, FA3_KERNEL)]
     if own:
         return FA3, own[0]
-    aiter = [n.name for n in classes if _forwards_call(n, AITER_KERNEL)]
+    aiter = [n.name for n in classes if _forwards_call(n, AITER_KERNEL) or _forwards_call(n, AITER_DECODE_KERNEL)]
     return (AITER, aiter[0]) if aiter else ("", "")
 
 
