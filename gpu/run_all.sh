@@ -3,8 +3,24 @@
 # gather-kernel benchmark, verify on the patched real checkouts, the verify GPU
 # tests (sabotage included) and the attention benchmark. Logs go to $OUT.
 # Usage (device machine, repo root): bash gpu/run_all.sh [steps...]
+#
+# The device tool brings back at most 8 files from $OUT (GPU run 44 lost its verify
+# files that way): the steps write to a folder of their own, packed on exit (a timeout's
+# SIGTERM too) into one $OUT/run_all-<steps>.tgz, and copied beside it as well while
+# $OUT then holds at most 8 files.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
+OUT=$(mktemp -d /tmp/run_all.XXXXXX); export OUT
+pack() {
+  local name; name=run_all-$(echo "${steps:-none}" | tr -cs 'A-Za-z0-9_' '-' | sed 's/-$//').tgz
+  tar -czf "$FINAL/$name" -C "$OUT" . 2>/dev/null
+  if [ $(( $(find "$FINAL" -type f | wc -l) + $(find "$OUT" -type f | wc -l) )) -le 8 ]; then
+    cp -r "$OUT"/. "$FINAL"/
+  fi
+  echo "=== logs: $FINAL/$name"
+}
+trap pack EXIT
+trap 'exit 143' TERM INT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || { echo "wheel install failed"; exit 1; }
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1 FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16
