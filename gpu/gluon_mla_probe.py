@@ -13,11 +13,16 @@ output against the fp32 reference on the first requests, bit-identical over two 
 wrong row (request 0 reads request 1's first row) must fail the check. Prints only; exit 1 if
 a check fails. Compile-only, no GPU: python tools/fused_aot.py --gluon.
 
-    python gpu/gluon_mla_probe.py
+    python gpu/gluon_mla_probe.py [--sweep]
+
+--sweep also times the Gluon kernel at each launch tuning of SWEEP (FUSED_GLUON_TUNING's
+CTAs an SM, fewest positions a split, stages; block_n stays 32: its layouts are built for
+it), per shape against the bf16 kernel, and prints the best by geometric mean.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -33,9 +38,12 @@ from kvpatch.verify.judge import vector_rel_err  # noqa: E402
 
 TOL = 1.5e-2  # per output vector, against fp32 (tests/gpu/test_fused_gpu.py's)
 SHAPES = ((1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192))
+# (ctas_per_sm, min_split, num_stages) for --sweep: 4 stages fit 2 CTAs an SM (82 KB shared).
+SWEEP = [(c, m, 2) for c in (2, 3, 4) for m in (32, 64, 128)] + [(3, 64, 3), (2, 64, 4)]
 
 
-def main():
+def main(argv=None):
+    sweep = "--sweep" in (sys.argv[1:] if argv is None else argv)
     setup = probe_setup("gluon_mla_probe")
     if setup is None:
         return 2
@@ -45,6 +53,7 @@ def main():
         return 2
     bw = copy_bandwidth()
     ok_all = True
+    tuned = {t: [] for t in SWEEP}
     for bs, ctx in SHAPES:
         slots = 1 << 20 if bs * ctx > 495552 else 495552
         pool = make_pool(slots, gen)
@@ -83,7 +92,33 @@ def main():
                      f"sabotage {sab:.1e} {'OK' if good else 'FAILED'}")
         line += f" | gluon / triton {res['gluon'] / res['triton']:.2f}x"
         print(line, flush=True)
+        if sweep:
+            sweep_shape(rt, run, bf16, tuned, f"16h {bs}x{ctx}")
+    if sweep:
+        ranked = sorted(tuned.items(), key=lambda kv: sum(math.log(r) for r in kv[1]))
+        for t, ratios in ranked[:5]:
+            print(f"sweep top: ctas_per_sm {t[0]} min_split {t[1]} stages {t[2]}: "
+                  + " ".join(f"{r:.2f}x" for r in ratios) + " bf16", flush=True)
     return 0 if ok_all else 1
+
+
+def sweep_shape(rt, run, bf16, tuned, head):
+    """run (the shape's fused call, gluon config) timed at each SWEEP tuning of the Gluon
+    kernel; a config passed in makes fused_mla plan afresh, so each tuning takes effect."""
+    committed = dict(rt.FUSED_GLUON_TUNING)
+    cfg = dict(rt.FUSED_TUNING["small"], gluon=True)
+    try:
+        for t in SWEEP:
+            ctas, min_split, stages = t
+            rt.FUSED_GLUON_TUNING = dict(committed, ctas_per_sm=ctas, min_split=min_split, num_stages=stages)
+            us = graph_ms(lambda: run(cfg=cfg)) * 1e3
+            kernel = rt._fused_last["split"]  # a one-split batch keeps the Triton kernel: said
+            kname = getattr(kernel, "name", None) or kernel.metadata.name
+            tuned[t].append(us / bf16)
+            print(f"    {head} ctas {ctas} min_split {min_split} stages {stages}: {us:7.1f} us "
+                  f"({us / bf16:.2f}x bf16, {kname})", flush=True)
+    finally:
+        rt.FUSED_GLUON_TUNING = committed
 
 
 if __name__ == "__main__":

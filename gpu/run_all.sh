@@ -54,6 +54,7 @@ for s in $steps; do
     stages) python3 -m pytest -q -ra tests/gpu/test_fused_gpu.py -k "double_buffered or transposed_read" 2>&1 | tee "$OUT/stages_tests.log";
             python3 gpu/stages_probe.py 2>&1 | tee "$OUT/stages_probe.log" ;;
     gluon_mla) python3 gpu/gluon_mla_probe.py 2>&1 | tee "$OUT/gluon_mla_probe.log" ;;
+    gluon_sweep) python3 gpu/gluon_mla_probe.py --sweep 2>&1 | tee "$OUT/gluon_sweep.log" ;;
     gluon_pv) python3 gpu/gluon_pv_probe.py 2>&1 | tee "$OUT/gluon_pv_probe.log" ;;
     splits) python3 gpu/split_count_probe.py 2>&1 | tee "$OUT/split_count.log" ;;
     step_sweep) python3 gpu/sweep_step.py --json "$OUT/sweep_step.json" 2>&1 | tee "$OUT/sweep_step.log" ;;
