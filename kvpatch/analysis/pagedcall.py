@@ -43,8 +43,9 @@ KEYWORD_KERNELS: Dict[str, tuple] = {"unified_attention": (("k", "v"), "seqused_
 # kv_page_indices[kv_indptr[b]:kv_indptr[b + 1]] of block_size slots. aiter's
 # paged_attention_ragged (ROCm/aiter, aiter/ops/attention.py), parameters in order; its
 # caches are [blocks, block_size, heads, dim] in the "NHD" layout SGLang passes.
+AITER_DECODE_KERNEL, AITER_EXTEND_KERNEL = "paged_attention_ragged", "mha_batch_prefill_func"
 RAGGED_KERNELS: Dict[str, tuple] = {
-    "paged_attention_ragged": ("out", "workspace_buffer", "query", "key_cache", "value_cache", "scale", "kv_indptr",
+    AITER_DECODE_KERNEL: ("out", "workspace_buffer", "query", "key_cache", "value_cache", "scale", "kv_indptr",
                                "kv_page_indices", "kv_last_page_lens", "block_size", "max_num_partitions",
                                "alibi_slopes", "kv_cache_dtype", "kv_cache_layout", "logits_soft_cap", "k_scale",
                                "v_scale", "fp8_out_scale", "partition_size", "mtp"),
@@ -81,7 +82,7 @@ RAGGED_LAYOUT = ("kv_cache_layout", "NHD")  # the layout whose dim 1 is the bloc
 # bind by keyword only, and only those that leave the row contract alone: a keyword that
 # changes the layout (block_table, kv_last_page_lens, kv_cache, kv_layout) does not bind.
 SLOT_RAGGED_KERNELS: Dict[str, tuple] = {
-    "mha_batch_prefill_func": (("q", "k", "v", "cu_seqlens_q", "kv_indptr", "kv_page_indices", "max_seqlen_q",
+    AITER_EXTEND_KERNEL: (("q", "k", "v", "cu_seqlens_q", "kv_indptr", "kv_page_indices", "max_seqlen_q",
                                 "max_seqlen_k"),
                                ("dropout_p", "softmax_scale", "logits_soft_cap", "causal", "window_size",
                                 "alibi_slopes", "deterministic", "return_lse", "return_attn_probs", "out",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from kvpatch.analysis.helpers import SPARSE_KERNELS
+from kvpatch.analysis.pagedcall import AITER_DECODE_KERNEL, AITER_EXTEND_KERNEL
 from kvpatch.checkout import git
 from kvpatch.checkout.safepath import UnsafePath, inside, is_link, read_regular
 from kvpatch.names import RUNTIME_ALIAS, RUNTIME_FILENAME, RUNTIME_MODULE as RUNTIME_NAME, SKIP_DIRS
@@ -33,7 +34,7 @@ FLASHINFER_MLA, FA3 = "flashinfer_mla", "fa3"
 # aiter's MHA extend through mha_batch_prefill_func and decode through paged_attention_ragged
 # (KVP103's slot-ragged kernels), verify/aiter.py. A backend older than the extend kernel
 # (before 2025-09) calls only the decode one.
-AITER, AITER_KERNEL, AITER_DECODE_KERNEL = "aiter", "mha_batch_prefill_func", "paged_attention_ragged"
+AITER, AITER_KERNEL = "aiter", AITER_EXTEND_KERNEL
 # NSA/DSA's sparse backends (KVP105): forwards hand the cast to self._helper methods that call
 # a sparse kernel (the kernels KVP105 knows, FA3's excepted: alone it is the family above),
 # verify/sparse.py.
