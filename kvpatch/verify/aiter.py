@@ -247,20 +247,21 @@ def verify_aiter_target(t, sandbox, world, modes, graph, quick, report, log, fin
     rewritten = [name for name, fn in methods.items() if _calls(fn, RUNTIME_ALIAS)]
     # The forwards verify drives: each that calls its kernel (a backend before 2025-09 has no
     # mha_batch_prefill_func extend), with (kernel, reference's name).
-    driven = {fn: ref for fn, kernel, ref in ((EXTEND_FN, AITER_KERNEL, KERNEL_NAME),
-                                               (DECODE_FN, DECODE_KERNEL, DECODE_KERNEL_NAME))
+    driven = {fn: (kernel, ref) for fn, kernel, ref in ((EXTEND_FN, AITER_KERNEL, KERNEL_NAME),
+                                                         (DECODE_FN, DECODE_KERNEL, DECODE_KERNEL_NAME))
               if fn in methods and _calls(methods[fn], kernel)}
-    kernels = " and ".join(f"{fn}'s {AITER_KERNEL if fn == EXTEND_FN else DECODE_KERNEL}" for fn in driven)
+    kernels = " and ".join(f"{fn}'s {kernel}" for fn, (kernel, _) in driven.items())
+    refs = ", ".join(ref for _, ref in driven.values())
     for name in rewritten:
         if name not in driven:
             report.unverified.append(f"{t.rel}: {t.cls}.{name} is rewritten too, but verify drives only "
                                      f"{kernels} for aiter: not verified")
-    report.notes.append(f"{t.rel}: aiter's {kernels} run as the torch references ({', '.join(driven.values())})"
+    report.notes.append(f"{t.rel}: aiter's {kernels} run as the torch references ({refs})"
                         f" on {world.device}: no ROCm GPU is lent, the real kernels did not run")
     os.environ["KVPATCH_MODE"] = "gather"
     rt.reset()
     log(f"{t.rel}: aiter MHA {' and '.join(fn.split('_')[1] for fn in driven)} ({t.cls}), original from "
-        f"{t.original_from}, kernels {', '.join(driven.values())}")
+        f"{t.original_from}, kernels {refs}")
     v = AiterVerifier(t.rel, orig, pat, rt, mha, report, gen)
     v.extend, v.decode = EXTEND_FN in driven, DECODE_FN in driven
     v.run(graph, quick)
