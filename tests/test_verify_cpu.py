@@ -460,19 +460,33 @@ def test_a_patched_file_no_driver_covers_is_named_not_verified(tmp_path):
 
 def test_fused_counted_counts_launches_and_which_split_kernel_each_plan_took():
     """verify says which path served a case (fused launches) and, for a run, how many fused
-    plans took the Gluon split kernel and how many the Triton one; the runtime is restored."""
+    plans took the 16-row Gluon split kernel, the 64-row one and the Triton one (a runtime
+    without the 64-row kernel too); the runtime is restored."""
     import types
 
     from kvpatch.verify import judge
 
-    picks = iter([("gluon kernel",), None, None])
-    rt = types.SimpleNamespace(fused_mla=lambda *a: rt._fused_gluon_choice(), _fused_gluon_choice=lambda: next(picks))
-    real_mla, real_choice = rt.fused_mla, rt._fused_gluon_choice
+    def plan(rt):  # the runtime's order: the 16-row Gluon kernel, then the 64-row one
+        picked = rt._fused_gluon_choice()
+        if picked is None and hasattr(rt, "_fused_wgmma_choice"):
+            picked = rt._fused_wgmma_choice()
+        return picked
+
+    g_picks, w_picks = iter([("gluon kernel",), None, None, None]), iter([("wgmma kernel",), None, None])
+    rt = types.SimpleNamespace(fused_mla=lambda *a: plan(rt), _fused_gluon_choice=lambda: next(g_picks),
+                               _fused_wgmma_choice=lambda: next(w_picks))
+    real_mla, real_choice, real_wgmma = rt.fused_mla, rt._fused_gluon_choice, rt._fused_wgmma_choice
     calls, before = [0], dict(judge.FUSED_KERNELS)
     with judge.fused_counted(rt, calls):
-        for _ in range(3):
+        for _ in range(4):
             rt.fused_mla()
-    assert calls == [3]
-    got = {k: judge.FUSED_KERNELS[k] - before.get(k, 0) for k in ("gluon", "triton")}
-    assert got == {"gluon": 1, "triton": 2}
+    assert calls == [4]
+    got = {k: judge.FUSED_KERNELS[k] - before.get(k, 0) for k in ("gluon", "wgmma", "triton")}
+    assert got == {"gluon": 1, "wgmma": 1, "triton": 2}
     assert rt.fused_mla is real_mla and rt._fused_gluon_choice is real_choice
+    assert rt._fused_wgmma_choice is real_wgmma
+    old_rt = types.SimpleNamespace(fused_mla=lambda *a: plan(old_rt), _fused_gluon_choice=lambda: None)
+    before = dict(judge.FUSED_KERNELS)
+    with judge.fused_counted(old_rt, calls):
+        old_rt.fused_mla()
+    assert judge.FUSED_KERNELS["triton"] - before.get("triton", 0) == 1

@@ -67,8 +67,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor):
 FUSED_REL_TOL = 1.5e-2
 
 
-# Split-kernel launches planned in this process, by kernel ("gluon" or "triton"), counted
-# by fused_counted: a report can say which kernel its fused cases ran on.
+# Split-kernel launches planned in this process, by kernel ("gluon", "wgmma" or "triton"),
+# counted by fused_counted: a report can say which kernel its fused cases ran on.
 FUSED_KERNELS = Counter()
 
 
@@ -80,25 +80,38 @@ def fused_counted(rt, calls: list):
     if real is None:
         yield
         return
-    choice = getattr(rt, "_fused_gluon_choice", None)  # runtime 7+: which split kernel
+    # Which split kernel a plan took: the 16-row Gluon one (runtime 7+), else the 64-row one
+    # (runtime 10+), else Triton's. The plan asks them in that order.
+    gluon = getattr(rt, "_fused_gluon_choice", None)
+    wgmma = getattr(rt, "_fused_wgmma_choice", None)
 
     def counted(*a, **k):
         calls[0] += 1
         return real(*a, **k)
 
-    def chosen(*a, **k):
-        picked = choice(*a, **k)
-        FUSED_KERNELS["gluon" if picked is not None else "triton"] += 1
+    def chosen_gluon(*a, **k):
+        picked = gluon(*a, **k)
+        if picked is not None or wgmma is None:
+            FUSED_KERNELS["gluon" if picked is not None else "triton"] += 1
+        return picked
+
+    def chosen_wgmma(*a, **k):
+        picked = wgmma(*a, **k)
+        FUSED_KERNELS["wgmma" if picked is not None else "triton"] += 1
         return picked
     rt.fused_mla = counted
-    if choice is not None:
-        rt._fused_gluon_choice = chosen
+    if gluon is not None:
+        rt._fused_gluon_choice = chosen_gluon
+    if wgmma is not None:
+        rt._fused_wgmma_choice = chosen_wgmma
     try:
         yield
     finally:
         rt.fused_mla = real
-        if choice is not None:
-            rt._fused_gluon_choice = choice
+        if gluon is not None:
+            rt._fused_gluon_choice = gluon
+        if wgmma is not None:
+            rt._fused_wgmma_choice = wgmma
 
 
 FUSED_TOLERANCE = f"worst output vector |out - ref| / |ref| < {FUSED_REL_TOL} (fused FP8 path)"
