@@ -7,7 +7,7 @@ FP8 pool of 495,552 slots (1,048,576 for 64 x 8k), rows scattered over the pool:
           the kernel a user of bf16 KV runs; every ratio below is against it.
   gather  today's patched path: the runtime's page-gathered cast + the same bf16 kernel.
   fused   the runtime's fused_mla: the FP8 rows read in place through kv_indices.
-  auto    the path KVPATCH_MODE=auto picks for the shape on this GPU (FUSED_AUTO_ROWS),
+  auto    the path KVPATCH_MODE=auto picks for the shape on this GPU (_fused_auto),
           timed as that path in the same run.
   floor   the FP8 bytes the kernel must read (rows x 576 B) at the copy rate measured
           in the same run (a 1 GiB device-to-device copy, read + write).
@@ -391,7 +391,7 @@ def main(argv=None):
         r.update(heads=heads, bs=bs, ctx=ctx, tq=tq)
         # auto: the path the runtime's auto mode picks for this call shape on this GPU
         # (FUSED_AUTO_ROWS), timed as that path in this run.
-        r["auto_path"] = "fused" if heads * tq <= rt.FUSED_AUTO_ROWS.get(cap, 0) else "gather"
+        r["auto_path"] = "fused" if rt._fused_auto(cap, heads, tq) else "gather"
         r["auto_us"] = r[r["auto_path"] + "_us"]
         rows.append(r)
         print(f"h={heads:<3} {bs:>3}x{ctx:<5} tq={tq} rows={r['rows']:>7}: bf16 {r['bf16_us']:7.1f} | gather "

@@ -200,3 +200,45 @@ def test_gluon_kernel_only_on_the_triton_and_gpu_it_has_run_on(monkeypatch):
     fz._fused_gluon = None
     monkeypatch.setattr(triton, "__version__", "3.7.0")
     assert fz._fused_gluon_build() is False
+
+
+def test_wgmma_split_kernel_compiles_for_sm90_in_its_shared_memory_budget():
+    """The 64-row warpgroup-MMA kernel (runtime part _fused_wgmma), compiled for sm_90a with no
+    GPU (tools/fused_aot.py --wgmma): warpgroup MMAs in the PTX (QK and PV), no spills, and
+    one CTA of 8 warps fits an SM by registers and shared memory. (Numerics: GPU tests,
+    tests/gpu/test_fused_wgmma_gpu.py.)"""
+    pytest.importorskip("triton", reason="Triton is not importable: the ahead-of-time compile needs it")
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon (3.5 and later)")
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "fused_aot.py"), "--wgmma"], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [line for line in res.stdout.splitlines() if line.startswith("wgmma ")]
+    assert len(rows) == 4, res.stdout
+    for line in rows:
+        regs, spill, smem = (int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line))
+        assert spill == 0 and regs * 256 <= 65536 and smem <= 232448, line
+
+
+def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_run_on(monkeypatch):
+    """The 64-row kernel serves a call only with at least 64 query rows a request, on SM 9.0,
+    the Triton version its Gluon code was built against, and while off by default only
+    where a config asks for it; anything else keeps the Triton kernel, decided before any
+    build or launch."""
+    triton = pytest.importorskip("triton", reason="Triton is not importable: the Gluon build needs it")
+    fz = load_fused()
+    dev = torch.device("cuda", 0)
+    consts = (1, True, False, False, False, 128, 1)
+    built = []
+    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: built.append(1) or False)
+    for rows, cfg, cap, expect_build in ((128, {"wgmma": True}, (9, 0), True), (32, {"wgmma": True}, (9, 0), False),
+                                         (128, {"wgmma": True}, (8, 0), False), (128, {"wgmma": True}, (10, 0), False),
+                                         (128, {}, (9, 0), fz.FUSED_WGMMA_DEFAULT)):
+        built.clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
+        assert fz._fused_wgmma_choice((rows, 512, 64, True, False, dev, cfg, None, 8), consts) is None
+        assert bool(built) == expect_build, (rows, cfg, cap)
+    monkeypatch.undo()
+    fz._fused_wgmma = None
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    assert fz._fused_wgmma_build() is False
+    fz._fused_wgmma = None

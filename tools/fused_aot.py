@@ -87,6 +87,32 @@ def compile_gluon(ps, by_indptr, scales):
     return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
 
 
+def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None):
+    """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    rt = _fused()
+    kernel = rt._fused_wgmma_build()
+    tune = rt.FUSED_WGMMA_TUNING
+    const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, CAUSAL=tq > 1, HAS_CKV_SCALE=scales,
+                 HAS_KPE_SCALE=scales, BLOCK_N=block_n or tune["block_n"], STAGES=stages or tune["num_stages"],
+                 DIRECT=False)
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": tune["num_warps"]})
+    if dump:
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        tag = f"wgmma_h{heads}_tq{tq}_bn{const['BLOCK_N']}_s{const['STAGES']}"
+        (Path(dump) / f"{tag}.ttgir").write_text(k.asm["ttgir"])
+        (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
+    regs, spill = _ptxas(k.asm["ptx"])
+    return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
+
+
 def _ptxas(ptx, maxnreg=None):
     """(registers, spilled bytes) that the ptxas Triton's wheel carries reports for sm_90a."""
     import triton
@@ -110,7 +136,15 @@ def main(argv=None):
     for flag in FLAGS:
         ap.add_argument("--" + flag.lower().replace("_", "-"), type=int, default=int(FLAGS[flag]))
     ap.add_argument("--gluon", action="store_true", help="the runtime's Gluon split kernel instead, every variant")
+    ap.add_argument("--wgmma", action="store_true", help="the 64-row warpgroup-MMA kernel, every variant")
     args = ap.parse_args(argv)
+    if args.wgmma:
+        for ps, by_indptr, scales, heads, tq in ((1, True, False, 128, 1), (64, False, True, 128, 1),
+                                                 (1, True, False, 16, 4), (16, False, False, 16, 8)):
+            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump)
+            print(f"wgmma heads {heads} tq {tq} page size {ps} {'kv_indptr' if by_indptr else 'page table'} "
+                  f"scales {scales}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
+        return 0
     if args.gluon:
         for ps, by_indptr, scales in ((1, True, False), (16, True, False), (1, False, True), (16, False, False),
                                       (64, False, True)):

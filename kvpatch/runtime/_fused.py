@@ -17,6 +17,12 @@ from kvpatch.runtime._fused_kernels import (
     _fused_split_count,
 )
 from kvpatch.runtime._fused_gluon import _fused_gluon_choice
+from kvpatch.runtime._fused_wgmma import _fused_wgmma_choice
+from kvpatch.runtime._fused_scratch import (
+    _fused_scale_key,
+    _fused_scale_tensor,
+    _fused_scratch_for,
+)
 from kvpatch.runtime._launch import _launch, _launch_ident
 
 # -- joined from here --
@@ -61,7 +67,6 @@ FUSED_TUNING = {
 # splits (a small batch): the row in column blocks, all of a block's splits in one read.
 _FUSED_COMBINE_TILE = 8192
 
-_fused_scratch = {}  # device -> the largest partial buffers (out, lse) made so far
 _fused_plans = {}  # a call's geometry -> its launch plan (see fused_mla)
 # the compiled kernels of the last call (benchmarks read registers, spills)
 _fused_last = {}
@@ -69,29 +74,6 @@ _fused_last = {}
 
 def _fused_bucket(m_rows):
     return "small" if m_rows <= 16 else "large"
-
-
-def _fused_scratch_for(device, rows, width):
-    """Partial-result buffers for at least `rows` rows. Grown, never per shape: eager mode
-    sees a new batch size on many steps. A plan keeps the buffers it was made with, so a
-    graph captured with them stays valid when a later, larger plan grows the scratch."""
-    bufs = _fused_scratch.get(device)
-    if bufs is None or bufs[1].shape[0] < rows:
-        rows = max(rows, 2 * bufs[1].shape[0] if bufs is not None else 0)
-        # Never read before written: stage 2 reads only the splits stage 1 wrote.
-        bufs = (
-            torch.empty((rows, width), dtype=torch.float32, device=device),
-            torch.empty((rows,), dtype=torch.float32, device=device),
-        )
-        _fused_scratch[device] = bufs
-    return bufs
-
-
-def _fused_scale_key(sc):
-    """A scale's part of the plan key: None, its value (a number), or "tensor" (read per call)."""
-    if isinstance(sc, torch.Tensor):
-        return ("tensor", sc.dtype)
-    return None if sc is None else float(sc)
 
 
 def fused_mla(
@@ -276,7 +258,9 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     tuning = FUSED_TUNING[bucket]
     cfg = dict(tuning, **(config or {}))
     block_m = cfg["block_m"]
-    if not cfg.get("pad_m"):  # pad_m: keep block_m above the rows (wgmma needs M = 64)
+    if not cfg.get(
+        "pad_m"
+    ):  # pad_m: keep block_m above the rows (a Triton wgmma probe)
         block_m = min(block_m, max(16, 1 << (m_rows - 1).bit_length()))
     groups = -(-m_rows // block_m)
     ckv_key, kpe_key = key[18:20]
@@ -284,13 +268,18 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     ckv_t = None if ckv_tensor else _fused_scale_tensor(ckv_key, kv2.device)
     kpe_t = None if kpe_tensor else _fused_scale_tensor(kpe_key, kv2.device)
     has_ckv, has_kpe = ckv_tensor or ckv_t is not None, kpe_tensor or kpe_t is not None
-    # The Gluon kernel where it serves (runtime part _fused_gluon), with its own tuning.
+    # The Gluon kernels where they serve (runtime parts _fused_gluon, _fused_wgmma), each
+    # with its own tuning; the 64-row one with its own row groups.
     gluon = _fused_gluon_choice(
         (heads, tq, d, dpe, flat, interpret, kv2.device, cfg, n_splits, batch * groups),
         (page_size, by_indptr, has_ckv, has_kpe),
+    ) or _fused_wgmma_choice(
+        (m_rows, d, dpe, flat, interpret, kv2.device, cfg, n_splits, batch),
+        (page_size, by_indptr, causal, has_ckv, has_kpe, heads, tq),
     )
     if gluon:
         split_k, cfg, n_splits = gluon[:3]
+        groups = -(-m_rows // gluon[4])
     if n_splits is None:
         n_splits = _fused_split_count(
             _fused_sm_count(kv2.device) * cfg["ctas_per_sm"],
@@ -380,21 +369,3 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
             ).items()
         ),
     }
-
-
-_fused_scales = {}
-
-
-def _fused_scale_tensor(sc, device):
-    """None for no scale (None or 1.0), else a one-element device tensor (a float's made once)."""
-    if sc is None or isinstance(sc, torch.Tensor):
-        return sc
-    sc = float(sc)
-    if sc == 1.0:
-        return None
-    t = _fused_scales.get((device, sc))
-    if t is None:
-        t = _fused_scales[(device, sc)] = torch.full(
-            (1,), sc, dtype=torch.float32, device=device
-        )
-    return t

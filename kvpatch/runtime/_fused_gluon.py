@@ -55,7 +55,7 @@ FUSED_GLUON_DEFAULT = True
 
 
 def _fused_gluon_choice(geometry, consts):
-    """(kernel, config, split count, launch constants) when the Gluon kernel serves this
+    """(kernel, config, split count, launch constants, rows a CTA) when the Gluon kernel serves this
     call geometry, else None. geometry: (heads, query tokens, latent and rope widths, flat
     table, interpreter, device, config, split count or None, programs before splits);
     consts: (page size, indptr rows, whether each FP8 scale is applied). A batch of one
@@ -90,7 +90,7 @@ def _fused_gluon_choice(geometry, consts):
         STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"],
     )
-    return kernel, cfg, n_splits, tuple(launch.items())
+    return kernel, cfg, n_splits, tuple(launch.items()), 16
 
 
 def _fused_gluon_build():

@@ -17,6 +17,8 @@ import re
 
 import torch
 
+# 10: the 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for 128 heads and
+# draft tokens; auto routes 16 heads x 4 tokens to it (FUSED_AUTO_WGMMA)
 # 9: the Gluon split kernel serves 16-head, one-token decode by default (on Triton 3.6, SM 9.0)
 # 8: a routed call's whole cast casts an e5m2 pool too (it cast e4m3 only); fused_mla refuses
 # a pool that is not e4m3 (its kernels convert with e4m3's instructions)
@@ -25,7 +27,7 @@ import torch
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "9"
+__kvpatch_runtime_version__ = "10"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "kv_rows_at_kernel",
     "FUSED_TUNING",
     "FUSED_AUTO_ROWS",
+    "FUSED_AUTO_WGMMA",
 ]
 
 logger = logging.getLogger("kvpatch.runtime")
@@ -210,7 +213,8 @@ def mode():
     plan, the gathered cast (decode 1x4096 on a 495,552-slot pool: 27 us vs 53 us for
     FlashInfer 0.6.18's FP8 kernel), native only on CUDA without Triton, where the gather
     would be the slow torch fallback; for a routed kernel call, per call shape, the fused
-    FP8 attention where it was measured faster (FUSED_AUTO_ROWS), else the gather. fused
+    FP8 attention where it was measured faster (FUSED_AUTO_ROWS, FUSED_AUTO_WGMMA), else
+    the gather. fused
     routes every call the fused attention can serve to it; gather never does.
     """
     global _requested, _mode
@@ -258,6 +262,7 @@ from kvpatch.runtime._reset import poison_shadows, reset
 from kvpatch.runtime._fused import FUSED_TUNING, fused_mla
 from kvpatch.runtime._route import (
     FUSED_AUTO_ROWS,
+    FUSED_AUTO_WGMMA,
     kv_for_routed_kernel,
     paged_attention,
 )

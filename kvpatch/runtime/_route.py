@@ -20,6 +20,7 @@ from kvpatch.runtime._modes import (
 from kvpatch.runtime._dispatch import _shadow
 from kvpatch.runtime._pages import page_cast
 from kvpatch.runtime._fused import fused_mla
+from kvpatch.runtime._fused_wgmma import FUSED_WGMMA_DEFAULT, _fused_wgmma_build
 
 # -- joined from here --
 
@@ -37,6 +38,11 @@ from kvpatch.runtime._fused import fused_mla
 # gathered cast plus the bf16 kernel at every shape it prints (notes/gpu-runs.md, runs 15, 18, 19).
 # A GPU not listed is not measured: auto gathers there.
 FUSED_AUTO_ROWS = {(9, 0): 16}
+# And the (heads, query tokens) shapes the 64-row kernel (runtime part _fused_wgmma) serves
+# where it was measured faster than the gather at every batch it printed (GPU run 48, H100:
+# 16 heads x 4 draft tokens, 41.7 and 141.2 us against 54.3 and 170.2 for the gather at
+# 8 and 32 x 4k). 128 rows a request (128 heads, or 16 x 8) it lost at 32 x 4k: gathered.
+FUSED_AUTO_WGMMA = {(9, 0): ((16, 4),)}
 
 # FA3's flash_attn_with_kvcache: arguments the fused path reads (values checked below) and
 # arguments that only steer the original kernel's scheduling. Any other argument with a
@@ -296,6 +302,19 @@ def _fused_shape(kw, pool):
     return heads, tq, batch
 
 
+def _fused_auto(cap, heads, tq):
+    """Whether auto sends a call of `heads` x `tq` query rows a request to the fused path on `cap`."""
+    if heads * tq <= FUSED_AUTO_ROWS.get(cap, 0):
+        return True
+    # Where the 64-row kernel cannot build (another Triton), the Triton kernel would serve:
+    # slower there than the gather.
+    return (
+        FUSED_WGMMA_DEFAULT
+        and (heads, tq) in FUSED_AUTO_WGMMA.get(cap, ())
+        and bool(_fused_wgmma_build())
+    )
+
+
 def _want_fused(device, heads, tq):
     m = _mode or mode()
     if m not in ("fused", "gather") or (device, heads, tq) in _fused_failed:
@@ -305,7 +324,7 @@ def _want_fused(device, heads, tq):
     if _requested != "auto":
         return False
     cap = _device_capability(device)
-    return heads * tq <= FUSED_AUTO_ROWS.get(cap, 0)
+    return _fused_auto(cap, heads, tq)
 
 
 def _fused_fa3(kw, pool, heads, tq, batch):

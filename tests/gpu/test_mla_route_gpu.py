@@ -109,7 +109,7 @@ def test_auto_takes_fused_at_16_heads_and_gathers_at_128(rt, monkeypatch):
         calls = counted(r, monkeypatch)
         got = r.mla_run(w.run, q_nope, q_pe, pool[:, :, :512], pool[:, :, 512:])
         want = reference(w, pool, q_nope, q_pe)
-        fused = heads <= r.FUSED_AUTO_ROWS.get(cap, 0)
+        fused = r._fused_auto(tuple(cap), heads, 1)
         assert calls == ([1] if fused else []), heads
         assert torch.equal(got, want) if not fused else rel_err(got, want) < REL_TOL
 

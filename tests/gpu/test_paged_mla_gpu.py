@@ -97,7 +97,7 @@ def test_auto_picks_fused_where_measured_faster_and_gathers_elsewhere(rt):
         pool, pt, sl, q_nope, q_pe = case(64, heads)
         want = decode(reference, pool.to(BF16), 64, pt, sl, q_nope, q_pe)
         got = decode(routed(r), pool, 64, pt, sl, q_nope, q_pe)
-        fused = heads <= r.FUSED_AUTO_ROWS.get(tuple(cap), 0)
+        fused = r._fused_auto(tuple(cap), heads, 1)
         assert bool(r._shadows) != fused, (heads, cap)
         if fused:
             assert rel_err(got, want) < REL_TOL

@@ -75,7 +75,7 @@ def test_auto_picks_fused_where_measured_faster_and_gathers_elsewhere(rt):
         pool, pt, sl, q, cu = case(64, tq, heads=heads)
         want = fa3(**kwargs(pool.to(BF16), 64, pt, sl, q, cu, tq))
         got = r.paged_attention(fa3, **kwargs(pool, 64, pt, sl, q, cu, tq))
-        fused = heads * tq <= r.FUSED_AUTO_ROWS.get(tuple(cap), 0)
+        fused = r._fused_auto(tuple(cap), heads, tq)
         assert bool(r._shadows) != fused, (heads, tq, cap)
         if fused:
             assert rel_err(got, want) < REL_TOL

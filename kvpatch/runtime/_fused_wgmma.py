@@ -1,0 +1,399 @@
+"""A part of the kvpatch runtime: the fused FP8 MLA split kernel for 64 query rows a CTA,
+by warpgroup MMA (issue 17: 128 heads, and 16 heads with 4 or 8 draft tokens).
+
+The 16-row kernels (Triton's, and the Gluon one in _fused_gluon) hold 16 or 32 query rows a
+CTA, so at 128 heads every KV tile is read, converted and multiplied by 4 to 8 CTAs: 2.7-3.1x
+FlashInfer's bf16 kernel (GPU run 44). This kernel holds 64 rows (heads x draft tokens) a CTA
+in two warpgroups, FlashMLA's shape for an FP8 cache:
+- each KV tile (BLOCK_N rows) is copied FP8 into shared memory (cp.async, STAGES deep),
+  converted once to f16 into the NVMMA layout wgmma reads, and used from there twice: as
+  K^T for QK and as V for PV;
+- QK: S[64, BLOCK_N] = q K^T (q in shared memory, 512 + 64 dims), the two warpgroups taking
+  half of the tile's rows each (warps [4, 2]);
+- PV: O[64, 512] += P V, the warpgroups taking V's columns 0-255 and 256-511: a 64 x 256
+  fp32 accumulator each, 128 registers a thread.
+At 128 heads two CTAs read a KV row, not eight. Same partials, combine and numerics as the
+Triton kernel: FP8 -> f16 exact, q scaled into f16's range by a power of two, fp32 softmax,
+P in f16, the KV scales applied to the scores and the output.
+
+Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); the
+imports above the "joined from here" line only let this part read alone.
+"""
+
+import torch
+
+from kvpatch.runtime._fused_gluon import FUSED_GLUON_CAPABILITY, FUSED_GLUON_TRITON
+from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
+
+# -- joined from here --
+
+
+# ---------------------------------------------------------------------------
+# Fused FP8 MLA attention: the 64-row warpgroup-MMA split kernel (Gluon)
+
+FUSED_WGMMA_TUNING = {
+    "block_m": 64,
+    "block_n": 64,
+    "num_stages": 1,
+    "num_warps": 8,
+    "ctas_per_sm": 1,
+    "min_split": 128,
+}
+_fused_wgmma = None  # the kernel, built on first use; False: no Gluon here
+# NOT VERIFIED on a GPU yet: off unless a config asks ("wgmma": True).
+FUSED_WGMMA_DEFAULT = True
+
+
+def _fused_wgmma_choice(geometry, consts):
+    """(kernel, config, split count, launch constants, block_m) when the 64-row kernel
+    serves this call, else None. geometry: (heads x query tokens, latent and rope widths,
+    flat table, interpreter, device, config, split count or None, batch); consts: (page
+    size, indptr rows, causal, whether each FP8 scale is applied, heads, query tokens).
+    """
+    m_rows, d, dpe, flat, interpret, device, cfg, n_splits, batch = geometry
+    if (d, dpe) != (512, 64) or m_rows < 64 or not flat or interpret:
+        return None
+    if not cfg.get("wgmma", FUSED_WGMMA_DEFAULT) or device.type != "cuda":
+        return None
+    if torch.cuda.get_device_capability(device) not in FUSED_GLUON_CAPABILITY:
+        return None
+    kernel = _fused_wgmma_build()
+    if not kernel:
+        return None
+    cfg = dict(
+        cfg,
+        **FUSED_WGMMA_TUNING,
+        **{k: v for k, v in cfg.items() if k.startswith("wg_")},
+    )
+    for k in ("block_n", "num_stages", "ctas_per_sm", "min_split"):
+        cfg[k] = cfg.get("wg_" + k, cfg[k])
+    groups = -(-m_rows // 64)
+    if n_splits is None:
+        sms = _fused_sm_count(device) * cfg["ctas_per_sm"]
+        n_splits = _fused_split_count(sms, batch * groups, False)
+    page_size, by_indptr, causal, has_ckv, has_kpe, heads, tq = consts
+    launch = dict(
+        H=heads,
+        TQ=tq,
+        D=512,
+        DPE=64,
+        PS=int(page_size),
+        BY_INDPTR=by_indptr,
+        CAUSAL=bool(causal) and tq > 1,
+        HAS_CKV_SCALE=has_ckv,
+        HAS_KPE_SCALE=has_kpe,
+        BLOCK_N=cfg["block_n"],
+        STAGES=cfg["num_stages"],
+        DIRECT=n_splits == 1 and cfg.get("direct", True),
+        num_warps=8,
+    )
+    return kernel, cfg, n_splits, tuple(launch.items()), 64
+
+
+def _fused_wgmma_build():
+    global _fused_wgmma
+    if _fused_wgmma is not None:
+        return _fused_wgmma
+    try:
+        import triton
+
+        if not triton.__version__.startswith(FUSED_GLUON_TRITON):
+            raise ImportError(triton.__version__)
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            async_copy,
+            fence_async_shared,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+    except Exception:
+        _fused_wgmma = False
+        return _fused_wgmma
+    _fused_wgmma = _fw_kernel(
+        gluon, gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    )
+    return _fused_wgmma
+
+
+def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
+    # A kernel's callees are resolved among its module's globals.
+    global _fw_copy, _fw_slots, _fw_convert
+
+    @gluon.jit
+    def _fw_slots(table, base, start, hi, n_slots, PS: gl.constexpr, r):
+        # The pool slots of positions start + r, -1 where masked or outside the pool (never
+        # read: the copy fills zeros, the score is -inf). int32: a slot count past 2^31
+        # would be a pool of over a terabyte.
+        pos = start + r
+        ok = pos < hi
+        page = gl.load(table + base + pos // PS, mask=ok, other=0)
+        slot = page * PS + pos % PS
+        return gl.where(ok & (slot >= 0) & (slot < n_slots), slot, -1)
+
+    @gluon.jit
+    def _fw_copy(
+        kv, slot, slot_pe, stride_kv, D: gl.constexpr, dst, dst_pe, c_cp, c_pe
+    ):
+        async_copy.async_copy_global_to_shared(
+            dst,
+            kv + slot.to(gl.int64)[:, None] * stride_kv + c_cp[None, :],
+            mask=(slot >= 0)[:, None],
+        )
+        async_copy.async_copy_global_to_shared(
+            dst_pe,
+            kv + slot_pe.to(gl.int64)[:, None] * stride_kv + D + c_pe[None, :],
+            mask=(slot_pe >= 0)[:, None],
+        )
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _fw_convert(
+        src,
+        src_pe,
+        dst,
+        dst_pe,
+        Q4: gl.constexpr,
+        cv_l: gl.constexpr,
+        cpe_l: gl.constexpr,
+    ):
+        # One conversion a tile: FP8 -> f16 (exact) into the MMA layout, a quarter at a time.
+        for c in gl.static_range(4):
+            dst.slice(c * Q4, Q4, 1).store(
+                src.slice(c * Q4, Q4, 1).load(cv_l).to(gl.float16)
+            )
+        dst_pe.store(src_pe.load(cpe_l).to(gl.float16))
+
+    @gluon.jit(do_not_specialize=["n_splits", "n_slots", "table_stride", "min_split"])
+    def _fused_wgmma_split_kernel(
+        q_nope,
+        q_pe,
+        kv,
+        table,
+        lens,
+        part_o,
+        part_lse,
+        ckv_scale,
+        kpe_scale,
+        sm_scale,
+        stride_o_t,  # the Triton kernel's argument order: fused_mla's launch serves all
+        stride_o_h,
+        stride_qn_t,
+        stride_qn_h,
+        stride_qp_t,
+        stride_qp_h,
+        stride_kv,
+        table_stride,
+        n_slots,
+        n_splits,
+        min_split,
+        H: gl.constexpr,
+        TQ: gl.constexpr,
+        D: gl.constexpr,
+        DPE: gl.constexpr,
+        PS: gl.constexpr,
+        BY_INDPTR: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        HAS_CKV_SCALE: gl.constexpr,
+        HAS_KPE_SCALE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        DIRECT: gl.constexpr,
+    ):
+        BM: gl.constexpr = 64
+        BN: gl.constexpr = BLOCK_N
+        HALF: gl.constexpr = D // 2
+        SPLIT_PE: gl.constexpr = HAS_CKV_SCALE or HAS_KPE_SCALE
+        # Warps [4, 2]: a warpgroup covers the 64 rows; the two split the N dimension.
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
+        )
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HALF, 16]
+        )
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        mma_sl: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=16, rank=2
+        )
+        st_sl: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
+        # copies and conversions: 16 bytes a thread and row piece
+        cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [8, 1], [1, 0])
+        cpe_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])
+        Q4: gl.constexpr = D // 4
+        cv_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+
+        b = gl.program_id(0)
+        s = gl.program_id(1)
+        g = gl.program_id(2)
+        if BY_INDPTR:
+            first = gl.load(lens + b)
+            kv_len = (gl.load(lens + b + 1) - first) * PS
+            base = first.to(gl.int64)
+        else:
+            kv_len = gl.load(lens + b)
+            base = b.to(gl.int64) * table_stride
+        kv_len = gl.maximum(kv_len, 0)
+        per = gl.cdiv(gl.maximum(gl.cdiv(kv_len, n_splits), min_split), BN) * BN
+        lo = s * per
+        hi = gl.minimum(lo + per, kv_len)
+        if not DIRECT and lo >= hi:
+            return  # the combine skips an idle split
+
+        # q: rows m = (token, head) of this group, scaled into f16's range by a power of two
+        # (exact), stored once in the NVMMA layout wgmma reads as its A operand.
+        mq = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
+        mq_ok = mq < TQ * H
+        qrow = (b * TQ + mq // H).to(gl.int64)
+        qn_rows = q_nope + qrow * stride_qn_t + (mq % H) * stride_qn_h
+        qp_rows = q_pe + qrow * stride_qp_t + (mq % H) * stride_qp_h
+        cq = gl.arange(0, HALF, layout=gl.SliceLayout(0, q_l))
+        cqp = gl.arange(0, DPE, layout=gl.SliceLayout(0, q_l))
+        qa = gl.load(qn_rows[:, None] + cq[None, :], mask=mq_ok[:, None], other=0.0)
+        qb = gl.load(
+            qn_rows[:, None] + HALF + cq[None, :], mask=mq_ok[:, None], other=0.0
+        )
+        qr = gl.load(qp_rows[:, None] + cqp[None, :], mask=mq_ok[:, None], other=0.0)
+        amax = gl.maximum(
+            gl.maximum(
+                gl.max(gl.max(gl.abs(qa.to(gl.float32)), 1), 0),
+                gl.max(gl.max(gl.abs(qb.to(gl.float32)), 1), 0),
+            ),
+            gl.max(gl.max(gl.abs(qr.to(gl.float32)), 1), 0),
+        )
+        e = gl.ceil(gl.log2(gl.maximum(amax, 1e-30))).to(gl.int32) - 14
+        e = gl.minimum(gl.maximum(e, -100), 100)
+        q_mul = ((127 - e) << 23).to(gl.float32, bitcast=True)
+        qk_scale = (
+            sm_scale
+            * 1.4426950408889634
+            * ((127 + e) << 23).to(gl.float32, bitcast=True)
+        )
+        q_s = gl.allocate_shared_memory(gl.float16, [BM, D], mma_sl)
+        qpe_s = gl.allocate_shared_memory(gl.float16, [BM, DPE], mma_sl)
+        q_s.slice(0, HALF, 1).store((qa.to(gl.float32) * q_mul).to(gl.float16))
+        q_s.slice(HALF, HALF, 1).store((qb.to(gl.float32) * q_mul).to(gl.float16))
+        qpe_s.store((qr.to(gl.float32) * q_mul).to(gl.float16))
+        ckv = 1.0
+        if HAS_CKV_SCALE:
+            ckv = gl.load(ckv_scale).to(gl.float32)
+        kpe = 1.0
+        if HAS_KPE_SCALE:
+            kpe = gl.load(kpe_scale).to(gl.float32)
+
+        # KV: FP8 stages (cp.async), and the f16 tile both MMAs read.
+        kv_st = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], st_sl)
+        pe_st = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, DPE], st_sl)
+        k_s = gl.allocate_shared_memory(gl.float16, [BN, D], mma_sl)
+        kpe_s = gl.allocate_shared_memory(gl.float16, [BN, DPE], mma_sl)
+        r_cp = gl.arange(0, BN, layout=gl.SliceLayout(1, cp_l))
+        c_cp = gl.arange(0, D, layout=gl.SliceLayout(0, cp_l))
+        r_pe = gl.arange(0, BN, layout=gl.SliceLayout(1, cpe_l))
+        c_pe = gl.arange(0, DPE, layout=gl.SliceLayout(0, cpe_l))
+        n_steps = gl.cdiv(hi - lo, BN)
+        # Tiles 0 .. STAGES-1 in flight; a masked or out-of-pool row is never read (the copy
+        # fills zeros) and its score is -inf.
+        for u in gl.static_range(STAGES):
+            _fw_copy(
+                kv,
+                _fw_slots(table, base, lo + u * BN, hi, n_slots, PS, r_cp),
+                _fw_slots(table, base, lo + u * BN, hi, n_slots, PS, r_pe),
+                stride_kv,
+                D,
+                kv_st.index(u),
+                pe_st.index(u),
+                c_cp,
+                c_pe,
+            )
+        # The page indices are loaded a step before their use (a dependent global load
+        # per step otherwise stalls the CTA, the only one on its SM).
+        nxt = _fw_slots(table, base, lo + STAGES * BN, hi, n_slots, PS, r_cp)
+        nxt_pe = _fw_slots(table, base, lo + STAGES * BN, hi, n_slots, PS, r_pe)
+
+        rows = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
+        limit = kv_len - TQ + rows // H  # causal: query t sees positions <= limit
+        rs = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+        m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+        l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_l))
+        acc = gl.zeros([BM, D], gl.float32, o_l)
+        zs = gl.zeros([BM, BN], gl.float32, s_l)
+        cur_s = _fw_slots(table, base, lo, hi, n_slots, PS, rs)
+        for t in range(n_steps):
+            st = t % STAGES
+            async_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()
+            _fw_convert(kv_st.index(st), pe_st.index(st), k_s, kpe_s, Q4, cv_l, cpe_l)
+            gl.thread_barrier()  # every thread done reading stage st before it refills
+            _fw_copy(
+                kv,
+                nxt,
+                nxt_pe,
+                stride_kv,
+                D,
+                kv_st.index(st),
+                pe_st.index(st),
+                c_cp,
+                c_pe,
+            )
+            nxt = _fw_slots(
+                table, base, lo + (t + STAGES + 1) * BN, hi, n_slots, PS, r_cp
+            )
+            nxt_pe = _fw_slots(
+                table, base, lo + (t + STAGES + 1) * BN, hi, n_slots, PS, r_pe
+            )
+            fence_async_shared()  # the generic stores above, before wgmma's async reads
+            gl.thread_barrier()
+            sc = wgmma(q_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)
+            if SPLIT_PE:
+                sp = wgmma(
+                    qpe_s, kpe_s.permute((1, 0)), zs, use_acc=False, is_async=True
+                )
+                sc, sp = wgmma_wait(0, deps=(sc, sp))
+                sc = sc * ckv + sp * kpe
+            else:
+                sc = wgmma(qpe_s, kpe_s.permute((1, 0)), sc, is_async=True)
+                sc = wgmma_wait(0, deps=(sc,))
+            pos = lo + t * BN + rs
+            keep = (cur_s >= 0)[None, :]
+            cur_s = _fw_slots(table, base, lo + (t + 1) * BN, hi, n_slots, PS, rs)
+            if CAUSAL:
+                keep = keep & (pos[None, :] <= limit[:, None])
+            sc = gl.where(keep, sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(sc - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            p16 = gl.convert_layout(p.to(gl.float16), p_l)
+            al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
+            acc = wgmma(p16, k_s, acc * al[:, None], is_async=True)
+            acc = wgmma_wait(0, deps=(acc,))
+            m_i = m_new
+            gl.thread_barrier()  # both warpgroups past the f16 tile before it is rewritten
+        async_copy.wait_group(0)
+
+        seen = l_i > 0.0
+        inv = ckv / gl.where(
+            seen, l_i, 1.0
+        )  # V is the latent: its scale scales the output
+        lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        inv = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
+        o = acc * inv[:, None]
+        mo = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_l))
+        mo_ok = mo < TQ * H
+        co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+        if DIRECT:
+            orow = (b * TQ + mo // H).to(gl.int64) * stride_o_t + (mo % H) * stride_o_h
+            gl.store(
+                part_o + orow[:, None] + co[None, :],
+                o.to(part_o.dtype.element_ty),
+                mask=mo_ok[:, None],
+            )
+        else:
+            prow = (b * TQ * H + mo).to(gl.int64) * n_splits + s
+            gl.store(part_o + prow[:, None] * D + co[None, :], o, mask=mo_ok[:, None])
+            ms = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
+            ps = (b * TQ * H + ms).to(gl.int64) * n_splits + s
+            gl.store(part_lse + ps, lse, mask=ms < TQ * H)
+
+    return _fused_wgmma_split_kernel
