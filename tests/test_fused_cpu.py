@@ -242,3 +242,22 @@ def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_ru
     monkeypatch.setattr(triton, "__version__", "3.7.0")
     assert fz._fused_wgmma_build() is False
     fz._fused_wgmma = None
+
+
+def test_auto_takes_the_64_row_kernel_only_for_the_shape_measured_faster(monkeypatch):
+    """auto: the fused path for at most 16 query rows a request, and for 16 heads x 4 draft
+    tokens while the 64-row kernel is on and builds (GPU run 48: faster than the gather at
+    both batches); 128 rows a request, 64 heads x 1 (never timed) and unmeasured GPUs gather."""
+    fz = load_fused()
+    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: True)
+    monkeypatch.setattr(fz, "FUSED_WGMMA_DEFAULT", True)
+    h100 = (9, 0)
+    for heads, tq, want in ((16, 1, True), (8, 2, True), (16, 4, True), (16, 8, False), (128, 1, False),
+                            (64, 1, False), (32, 2, False)):
+        assert fz._fused_auto(h100, heads, tq) is want, (heads, tq)
+    assert not fz._fused_auto((10, 0), 16, 4) and not fz._fused_auto((10, 0), 16, 1)
+    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: False)  # another Triton: no 64-row kernel
+    assert not fz._fused_auto(h100, 16, 4) and fz._fused_auto(h100, 16, 1)
+    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: True)
+    monkeypatch.setattr(fz, "FUSED_WGMMA_DEFAULT", False)
+    assert not fz._fused_auto(h100, 16, 4)
