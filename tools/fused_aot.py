@@ -53,64 +53,61 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=opts)
     regs, spill = _ptxas(k.asm["ptx"], maxnreg)
-    if dump:
-        tag = f"h{heads}_tq{tq}_bm{bm}_bn{bn}_w{warps}_s{stages}_r{maxnreg or 0}"
-        Path(dump).mkdir(parents=True, exist_ok=True)
-        (Path(dump) / f"{tag}.ttgir").write_text(k.asm["ttgir"])
-        (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
+    _dump(dump, f"h{heads}_tq{tq}_bm{bm}_bn{bn}_w{warps}_s{stages}_r{maxnreg or 0}", k)
     smem = int(k.metadata.shared)
     ctas = min(SM_REGS // (regs * 32 * warps), SM_SMEM // max(smem, 1))
     pipelined = k.asm["ttgir"].count("async_copy_global_to_local")
     return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
 
 
-def compile_gluon(ps, by_indptr, scales):
+def compile_gluon(ps, by_indptr, scales, dump=None):
     """The runtime's Gluon split kernel (runtime part _fused_gluon) for sm_90a: registers,
     spills, shared memory. Its operand layout conversions are assert_trivial: a layout that
     would move data between threads fails here, not on a device."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     rt = _fused()
     kernel = rt._fused_gluon_build()
     tune = rt.FUSED_GLUON_TUNING
     const = dict(H=16, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, HAS_CKV_SCALE=scales, HAS_KPE_SCALE=scales,
                  BLOCK_N=tune["block_n"], STAGES=tune["num_stages"])
+    return _compile_gluon_kernel(kernel, const, tune["num_warps"],
+                                 f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}", dump)
+
+
+def _compile_gluon_kernel(kernel, const, num_warps, tag, dump):
+    """A Gluon kernel compiled for sm_90a with the launcher's specialisation (16-byte aligned
+    pointers and strides): its registers, spills and shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
     names = list(kernel.arg_names)
     sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tune["num_warps"]})
+                       options={"num_warps": num_warps})
+    _dump(dump, tag, k)
     regs, spill = _ptxas(k.asm["ptx"])
     return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
 
 
+def _dump(dump, tag, k):
+    """Keep a compiled kernel's TTGIR and PTX under dump/ (to compare two versions' code)."""
+    if dump:
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        (Path(dump) / f"{tag}.ttgir").write_text(k.asm["ttgir"])
+        (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
+
+
 def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None):
     """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     rt = _fused()
     kernel = rt._fused_wgmma_build()
     tune = rt.FUSED_WGMMA_TUNING
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, CAUSAL=tq > 1, HAS_CKV_SCALE=scales,
                  HAS_KPE_SCALE=scales, BLOCK_N=block_n or tune["block_n"], STAGES=stages or tune["num_stages"],
                  DIRECT=False)
-    names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
-    k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tune["num_warps"]})
-    if dump:
-        Path(dump).mkdir(parents=True, exist_ok=True)
-        tag = f"wgmma_h{heads}_tq{tq}_bn{const['BLOCK_N']}_s{const['STAGES']}"
-        (Path(dump) / f"{tag}.ttgir").write_text(k.asm["ttgir"])
-        (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
-    regs, spill = _ptxas(k.asm["ptx"])
-    return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
+    return _compile_gluon_kernel(kernel, const, tune["num_warps"],
+                                 f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const['STAGES']}", dump)
 
 
 def _ptxas(ptx, maxnreg=None):
@@ -148,7 +145,7 @@ def main(argv=None):
     if args.gluon:
         for ps, by_indptr, scales in ((1, True, False), (16, True, False), (1, False, True), (16, False, False),
                                       (64, False, True)):
-            r = compile_gluon(ps, by_indptr, scales)
+            r = compile_gluon(ps, by_indptr, scales, args.dump)
             print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}: "
                   f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0

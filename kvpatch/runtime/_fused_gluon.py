@@ -20,9 +20,14 @@ import torch
 
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
+    _fg_finish,
     _fg_k3,
+    _fg_kv_scales,
+    _fg_online,
     _fg_pe3,
     _fg_q3,
+    _fg_qk_scale,
+    _fg_range,
     _fg_v3,
     _fused_gluon_build_ops,
 )
@@ -206,19 +211,9 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
             block_bases=[],
             shape=[4, BN, C],
         )
-        b = gl.program_id(0)
-        s = gl.program_id(1)
-        if BY_INDPTR:
-            first = gl.load(lens + b)
-            kv_len = (gl.load(lens + b + 1) - first) * PS
-            base = first.to(gl.int64)
-        else:
-            kv_len = gl.load(lens + b)
-            base = b.to(gl.int64) * table_stride
-        kv_len = gl.maximum(kv_len, 0)
-        per = gl.cdiv(gl.maximum(gl.cdiv(kv_len, n_splits), min_split), BN) * BN
-        lo = s * per
-        hi = gl.minimum(lo + per, kv_len)
+        b, s, base, kv_len, lo, hi = _fg_range(
+            lens, table_stride, n_splits, min_split, PS, BY_INDPTR, BN
+        )
         if lo >= hi:
             return  # the combine skips an idle split
         # q scaled into f16's range by a power of two (exact), as the Triton kernel does.
@@ -251,14 +246,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
                 0,
             ),
         )
-        e = gl.ceil(gl.log2(gl.maximum(amax, 1e-30))).to(gl.int32) - 14
-        e = gl.minimum(gl.maximum(e, -100), 100)
-        q_mul = ((127 - e) << 23).to(gl.float32, bitcast=True)
-        qk_scale = (
-            sm_scale
-            * 1.4426950408889634
-            * ((127 + e) << 23).to(gl.float32, bitcast=True)
-        )
+        q_mul, qk_scale = _fg_qk_scale(amax, sm_scale)
         qa = _fg_q3(
             qn, stride_qn_h, 0, 64, C, q_mul, a3
         )  # warp w: dims 128 w + [0, 64)
@@ -266,12 +254,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         qr = _fg_q3(
             qp, stride_qp_h, 0, 16, 16, q_mul, a3
         )  # and rope dims 16 w + [0, 16)
-        ckv = 1.0
-        if HAS_CKV_SCALE:
-            ckv = gl.load(ckv_scale).to(gl.float32)
-        kpe = 1.0
-        if HAS_KPE_SCALE:
-            kpe = gl.load(kpe_scale).to(gl.float32)
+        ckv, kpe = _fg_kv_scales(ckv_scale, kpe_scale, HAS_CKV_SCALE, HAS_KPE_SCALE)
         kv_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, BN, C], sw)
         pe_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, DPE], sw_pe)
         r = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3)))
@@ -335,11 +318,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
                     s3p = s3p * kpe
                 sc = gl.sum(gl.convert_layout(s3 + s3p, rs3), 0)
                 sc = gl.where(ok_s[None, :], sc * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(sc, 1))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
-                alpha = gl.exp2(m_i - m_use)
-                p = gl.exp2(sc - m_use[:, None])
-                l_i = l_i * alpha + gl.sum(p, 1)
+                m_new, alpha, p, l_i = _fg_online(m_i, l_i, sc)
                 p16 = gl.expand_dims(p.to(gl.float16), 0)
                 p3 = gl.convert_layout(
                     gl.broadcast(p16, gl.zeros([4, H, BN], gl.float16, rs3))[0], a3
@@ -352,11 +331,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
                 m_i = m_new
                 gl.thread_barrier()  # every warp past this buffer before a later step refills it
         async_copy.wait_group(0)
-        seen = l_i > 0.0
-        inv = ckv / gl.where(
-            seen, l_i, 1.0
-        )  # V is the latent: its scale scales the output
-        lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        inv, lse = _fg_finish(m_i, l_i, ckv)
         hs = gl.arange(0, H, layout=gl.SliceLayout(1, s_l))
         gl.store(part_lse + (b * H + hs).to(gl.int64) * n_splits + s, lse)
         inv = gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, mma3)))

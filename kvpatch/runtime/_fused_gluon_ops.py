@@ -1,6 +1,7 @@
-"""A part of the kvpatch runtime: the device functions of the Gluon split kernel (issue 17):
-q's operand and the staged FP8 tiles read as the MMA operands. The kernel is the next part,
-_fused_gluon.
+"""A part of the kvpatch runtime: the device functions of the Gluon split kernels (issue 17):
+what both kernels share (a split's positions, q's power-of-two scale, the FP8 scales, the
+online softmax step and its finish), and the 16-row kernel's q operand and staged FP8 tiles
+read as its MMA operands. The kernels are the next parts, _fused_gluon and _fused_wgmma.
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); nothing
 above the "joined from here" line is kept.
@@ -9,11 +10,90 @@ above the "joined from here" line is kept.
 # -- joined from here --
 
 
+_fused_gluon_ops_built = False
+
+
 def _fused_gluon_build_ops(gluon, gl):
-    """Define the Gluon kernel's device functions as module globals (a kernel's callees are
-    resolved in its module). The layouts they convert to are checked at compile time:
+    """Define the Gluon kernels' device functions as module globals (a kernel's callees are
+    resolved in its module), once. The layouts they convert to are checked at compile time:
     assert_trivial fails the build if any of them would move data between threads."""
-    global _fg_perm, _fg_q3, _fg_k3, _fg_pe3, _fg_v3
+    global _fg_perm, _fg_q3, _fg_k3, _fg_pe3, _fg_v3, _fused_gluon_ops_built
+    global _fg_range, _fg_qk_scale, _fg_kv_scales, _fg_online, _fg_finish
+    if _fused_gluon_ops_built:
+        return
+    _fused_gluon_ops_built = True
+
+    @gluon.jit
+    def _fg_range(
+        lens,
+        table_stride,
+        n_splits,
+        min_split,
+        PS: gl.constexpr,
+        BY_INDPTR: gl.constexpr,
+        BN: gl.constexpr,
+    ):
+        # This program's request b and split s: the request's first table entry and length,
+        # and the split's positions [lo, hi), a share of at least min_split rounded to BN.
+        # Boundaries from the device lengths alone: bit-identical runs.
+        b = gl.program_id(0)
+        s = gl.program_id(1)
+        if BY_INDPTR:
+            first = gl.load(lens + b)
+            kv_len = (gl.load(lens + b + 1) - first) * PS
+            base = first.to(gl.int64)
+        else:
+            kv_len = gl.load(lens + b)
+            base = b.to(gl.int64) * table_stride
+        kv_len = gl.maximum(kv_len, 0)
+        per = gl.cdiv(gl.maximum(gl.cdiv(kv_len, n_splits), min_split), BN) * BN
+        lo = s * per
+        return b, s, base, kv_len, lo, gl.minimum(lo + per, kv_len)
+
+    @gluon.jit
+    def _fg_qk_scale(amax, sm_scale):
+        # q scaled into f16's range by a power of two (exact), as the Triton kernel does:
+        # (q's multiplier, the scores' scale in base 2).
+        e = gl.ceil(gl.log2(gl.maximum(amax, 1e-30))).to(gl.int32) - 14
+        e = gl.minimum(gl.maximum(e, -100), 100)
+        q_mul = ((127 - e) << 23).to(gl.float32, bitcast=True)
+        qk_scale = (
+            sm_scale
+            * 1.4426950408889634
+            * ((127 + e) << 23).to(gl.float32, bitcast=True)
+        )
+        return q_mul, qk_scale
+
+    @gluon.jit
+    def _fg_kv_scales(
+        ckv_scale, kpe_scale, HAS_CKV_SCALE: gl.constexpr, HAS_KPE_SCALE: gl.constexpr
+    ):
+        ckv = 1.0
+        if HAS_CKV_SCALE:
+            ckv = gl.load(ckv_scale).to(gl.float32)
+        kpe = 1.0
+        if HAS_KPE_SCALE:
+            kpe = gl.load(kpe_scale).to(gl.float32)
+        return ckv, kpe
+
+    @gluon.jit
+    def _fg_online(m_i, l_i, sc):
+        # One step of the online softmax (base 2): the new running max, the factor that
+        # rescales what came before, P, and the new running sum.
+        m_new = gl.maximum(m_i, gl.max(sc, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[:, None])
+        return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _fg_finish(m_i, l_i, ckv):
+        # The output's row factor (V is the latent: its scale scales the output) and the
+        # split's log-sum-exp (base 2; -inf for a split that saw no row).
+        seen = l_i > 0.0
+        inv = ckv / gl.where(seen, l_i, 1.0)
+        lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        return inv, lse
 
     @gluon.jit
     def _fg_perm(k):

@@ -23,6 +23,14 @@ imports above the "joined from here" line only let this part read alone.
 import torch
 
 from kvpatch.runtime._fused_gluon import FUSED_GLUON_CAPABILITY, FUSED_GLUON_TRITON
+from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
+    _fg_finish,
+    _fg_kv_scales,
+    _fg_online,
+    _fg_qk_scale,
+    _fg_range,
+    _fused_gluon_build_ops,
+)
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
 
 # -- joined from here --
@@ -110,6 +118,7 @@ def _fused_wgmma_build():
     except Exception:
         _fused_wgmma = False
         return _fused_wgmma
+    _fused_gluon_build_ops(gluon, gl)
     _fused_wgmma = _fw_kernel(
         gluon, gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     )
@@ -223,20 +232,10 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
         cv_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
 
-        b = gl.program_id(0)
-        s = gl.program_id(1)
         g = gl.program_id(2)
-        if BY_INDPTR:
-            first = gl.load(lens + b)
-            kv_len = (gl.load(lens + b + 1) - first) * PS
-            base = first.to(gl.int64)
-        else:
-            kv_len = gl.load(lens + b)
-            base = b.to(gl.int64) * table_stride
-        kv_len = gl.maximum(kv_len, 0)
-        per = gl.cdiv(gl.maximum(gl.cdiv(kv_len, n_splits), min_split), BN) * BN
-        lo = s * per
-        hi = gl.minimum(lo + per, kv_len)
+        b, s, base, kv_len, lo, hi = _fg_range(
+            lens, table_stride, n_splits, min_split, PS, BY_INDPTR, BN
+        )
         if not DIRECT and lo >= hi:
             return  # the combine skips an idle split
 
@@ -261,25 +260,13 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             ),
             gl.max(gl.max(gl.abs(qr.to(gl.float32)), 1), 0),
         )
-        e = gl.ceil(gl.log2(gl.maximum(amax, 1e-30))).to(gl.int32) - 14
-        e = gl.minimum(gl.maximum(e, -100), 100)
-        q_mul = ((127 - e) << 23).to(gl.float32, bitcast=True)
-        qk_scale = (
-            sm_scale
-            * 1.4426950408889634
-            * ((127 + e) << 23).to(gl.float32, bitcast=True)
-        )
+        q_mul, qk_scale = _fg_qk_scale(amax, sm_scale)
         q_s = gl.allocate_shared_memory(gl.float16, [BM, D], mma_sl)
         qpe_s = gl.allocate_shared_memory(gl.float16, [BM, DPE], mma_sl)
         q_s.slice(0, HALF, 1).store((qa.to(gl.float32) * q_mul).to(gl.float16))
         q_s.slice(HALF, HALF, 1).store((qb.to(gl.float32) * q_mul).to(gl.float16))
         qpe_s.store((qr.to(gl.float32) * q_mul).to(gl.float16))
-        ckv = 1.0
-        if HAS_CKV_SCALE:
-            ckv = gl.load(ckv_scale).to(gl.float32)
-        kpe = 1.0
-        if HAS_KPE_SCALE:
-            kpe = gl.load(kpe_scale).to(gl.float32)
+        ckv, kpe = _fg_kv_scales(ckv_scale, kpe_scale, HAS_CKV_SCALE, HAS_KPE_SCALE)
 
         # KV: FP8 stages (cp.async), and the f16 tile both MMAs read.
         kv_st = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, D], st_sl)
@@ -359,11 +346,7 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             if CAUSAL:
                 keep = keep & (pos[None, :] <= limit[:, None])
             sc = gl.where(keep, sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(sc - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
+            m_new, alpha, p, l_i = _fg_online(m_i, l_i, sc)
             p16 = gl.convert_layout(p.to(gl.float16), p_l)
             al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
             acc = wgmma(p16, k_s, acc * al[:, None], is_async=True)
@@ -372,11 +355,7 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             gl.thread_barrier()  # both warpgroups past the f16 tile before it is rewritten
         async_copy.wait_group(0)
 
-        seen = l_i > 0.0
-        inv = ckv / gl.where(
-            seen, l_i, 1.0
-        )  # V is the latent: its scale scales the output
-        lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
+        inv, lse = _fg_finish(m_i, l_i, ckv)
         inv = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
         o = acc * inv[:, None]
         mo = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_l))
