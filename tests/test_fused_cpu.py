@@ -164,8 +164,8 @@ def test_split_count_fills_one_wave_rounded_down_or_covers_it_rounded_up():
 
 
 def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
-    """The runtime's Gluon split kernel, every variant, compiled for sm_90a with no GPU
-    (tools/fused_aot.py --gluon): its staged FP8 tiles convert to the MMA operand layouts
+    """The runtime's Gluon split kernel, every variant (its PREFETCH one too), compiled for
+    sm_90a with no GPU (tools/fused_aot.py --gluon): its staged FP8 tiles convert to the MMA operand layouts
     with assert_trivial (a permutation that moved data between threads fails the build), and
     the budget the plan assumes holds: no spills, three CTAs an SM by registers and shared
     memory. (The numerics are GPU tests: tests/gpu/test_fused_gpu.py.)"""
@@ -175,7 +175,7 @@ def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
                          text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [line for line in res.stdout.splitlines() if line.startswith("gluon ")]
-    assert len(rows) == 5, res.stdout
+    assert len(rows) == 7 and sum("prefetch" in line for line in rows) == 2, res.stdout
     for line in rows:
         regs, spill, smem = (int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line))
         assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line

@@ -60,7 +60,7 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
 
 
-def compile_gluon(ps, by_indptr, scales, dump=None):
+def compile_gluon(ps, by_indptr, scales, dump=None, prefetch=None):
     """The runtime's Gluon split kernel (runtime part _fused_gluon) for sm_90a: registers,
     spills, shared memory. Its operand layout conversions are assert_trivial: a layout that
     would move data between threads fails here, not on a device."""
@@ -68,9 +68,10 @@ def compile_gluon(ps, by_indptr, scales, dump=None):
     kernel = rt._fused_gluon_build()
     tune = rt.FUSED_GLUON_TUNING
     const = dict(H=16, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, HAS_CKV_SCALE=scales, HAS_KPE_SCALE=scales,
-                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"])
-    return _compile_gluon_kernel(kernel, const, tune["num_warps"],
-                                 f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}", dump)
+                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"],
+                 PREFETCH=tune["prefetch"] if prefetch is None else prefetch)
+    tag = f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}{'_pf' if const['PREFETCH'] else ''}"
+    return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
 def _compile_gluon_kernel(kernel, const, num_warps, tag, dump):
@@ -143,11 +144,14 @@ def main(argv=None):
                   f"scales {scales}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     if args.gluon:
-        for ps, by_indptr, scales in ((1, True, False), (16, True, False), (1, False, True), (16, False, False),
-                                      (64, False, True)):
-            r = compile_gluon(ps, by_indptr, scales, args.dump)
-            print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}: "
-                  f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
+        # The last two: the PREFETCH variant (page indices a step ahead; not the default)
+        for ps, by_indptr, scales, pf in ((1, True, False, None), (16, True, False, None), (1, False, True, None),
+                                          (16, False, False, None), (64, False, True, None), (1, True, False, True),
+                                          (64, False, True, True)):
+            r = compile_gluon(ps, by_indptr, scales, args.dump, pf)
+            print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}"
+                  f"{' prefetch' if pf else ''}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared",
+                  flush=True)
         return 0
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))

@@ -18,7 +18,7 @@ def _fused_gluon_build_ops(gluon, gl):
     resolved in its module), once. The layouts they convert to are checked at compile time:
     assert_trivial fails the build if any of them would move data between threads."""
     global _fg_perm, _fg_q3, _fg_k3, _fg_pe3, _fg_v3, _fused_gluon_ops_built
-    global _fg_range, _fg_qk_scale, _fg_kv_scales, _fg_online, _fg_finish
+    global _fg_range, _fg_slots, _fg_qk_scale, _fg_kv_scales, _fg_online, _fg_finish
     if _fused_gluon_ops_built:
         return
     _fused_gluon_ops_built = True
@@ -49,6 +49,17 @@ def _fused_gluon_build_ops(gluon, gl):
         per = gl.cdiv(gl.maximum(gl.cdiv(kv_len, n_splits), min_split), BN) * BN
         lo = s * per
         return b, s, base, kv_len, lo, gl.minimum(lo + per, kv_len)
+
+    @gluon.jit
+    def _fg_slots(table, base, start, hi, n_slots, PS: gl.constexpr, r):
+        # The pool slots of positions start + r, -1 where masked or outside the pool (never
+        # read: the copy fills zeros, the score is -inf). int32: a slot count past 2^31
+        # would be a pool of over a terabyte.
+        pos = start + r
+        ok = pos < hi
+        page = gl.load(table + base + pos // PS, mask=ok, other=0)
+        slot = page * PS + pos % PS
+        return gl.where(ok & (slot >= 0) & (slot < n_slots), slot, -1)
 
     @gluon.jit
     def _fg_qk_scale(amax, sm_scale):

@@ -29,6 +29,7 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_online,
     _fg_qk_scale,
     _fg_range,
+    _fg_slots,
     _fused_gluon_build_ops,
 )
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
@@ -127,18 +128,7 @@ def _fused_wgmma_build():
 
 def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
     # A kernel's callees are resolved among its module's globals.
-    global _fw_copy, _fw_slots, _fw_convert
-
-    @gluon.jit
-    def _fw_slots(table, base, start, hi, n_slots, PS: gl.constexpr, r):
-        # The pool slots of positions start + r, -1 where masked or outside the pool (never
-        # read: the copy fills zeros, the score is -inf). int32: a slot count past 2^31
-        # would be a pool of over a terabyte.
-        pos = start + r
-        ok = pos < hi
-        page = gl.load(table + base + pos // PS, mask=ok, other=0)
-        slot = page * PS + pos % PS
-        return gl.where(ok & (slot >= 0) & (slot < n_slots), slot, -1)
+    global _fw_copy, _fw_convert
 
     @gluon.jit
     def _fw_copy(
@@ -283,8 +273,8 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
         for u in gl.static_range(STAGES):
             _fw_copy(
                 kv,
-                _fw_slots(table, base, lo + u * BN, hi, n_slots, PS, r_cp),
-                _fw_slots(table, base, lo + u * BN, hi, n_slots, PS, r_pe),
+                _fg_slots(table, base, lo + u * BN, hi, n_slots, PS, r_cp),
+                _fg_slots(table, base, lo + u * BN, hi, n_slots, PS, r_pe),
                 stride_kv,
                 D,
                 kv_st.index(u),
@@ -294,8 +284,8 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             )
         # The page indices are loaded a step before their use (a dependent global load
         # per step otherwise stalls the CTA, the only one on its SM).
-        nxt = _fw_slots(table, base, lo + STAGES * BN, hi, n_slots, PS, r_cp)
-        nxt_pe = _fw_slots(table, base, lo + STAGES * BN, hi, n_slots, PS, r_pe)
+        nxt = _fg_slots(table, base, lo + STAGES * BN, hi, n_slots, PS, r_cp)
+        nxt_pe = _fg_slots(table, base, lo + STAGES * BN, hi, n_slots, PS, r_pe)
 
         rows = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
         limit = kv_len - TQ + rows // H  # causal: query t sees positions <= limit
@@ -304,7 +294,7 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
         l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([BM, D], gl.float32, o_l)
         zs = gl.zeros([BM, BN], gl.float32, s_l)
-        cur_s = _fw_slots(table, base, lo, hi, n_slots, PS, rs)
+        cur_s = _fg_slots(table, base, lo, hi, n_slots, PS, rs)
         for t in range(n_steps):
             st = t % STAGES
             async_copy.wait_group(STAGES - 1)
@@ -322,10 +312,10 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
                 c_cp,
                 c_pe,
             )
-            nxt = _fw_slots(
+            nxt = _fg_slots(
                 table, base, lo + (t + STAGES + 1) * BN, hi, n_slots, PS, r_cp
             )
-            nxt_pe = _fw_slots(
+            nxt_pe = _fg_slots(
                 table, base, lo + (t + STAGES + 1) * BN, hi, n_slots, PS, r_pe
             )
             fence_async_shared()  # the generic stores above, before wgmma's async reads
@@ -342,7 +332,7 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
                 sc = wgmma_wait(0, deps=(sc,))
             pos = lo + t * BN + rs
             keep = (cur_s >= 0)[None, :]
-            cur_s = _fw_slots(table, base, lo + (t + 1) * BN, hi, n_slots, PS, rs)
+            cur_s = _fg_slots(table, base, lo + (t + 1) * BN, hi, n_slots, PS, rs)
             if CAUSAL:
                 keep = keep & (pos[None, :] <= limit[:, None])
             sc = gl.where(keep, sc * qk_scale, float("-inf"))
