@@ -34,11 +34,13 @@ TOL = 1.5e-2  # per output vector, against fp32 (tests/gpu/test_fused_gpu.py's)
 # one request (latency) and a long batch at 128 heads.
 SHAPES = ((128, 1, 4096, 1), (128, 8, 4096, 1), (128, 32, 4096, 1), (128, 64, 8192, 1),
           (16, 8, 4096, 4), (16, 32, 4096, 4), (16, 8, 4096, 8), (16, 32, 4096, 8))
-# (block_n, stages, min_split) for --sweep. GPU runs 47-48 (notes/gpu-runs.md): block_n 32 was
+# (block_n, stages, min_split, lean) for --sweep. GPU runs 47-48 (notes/gpu-runs.md): block_n 32 was
 # 1.2-1.6x slower than 64 at every shape, 2 stages and min_split 64-256 within 2% of the
 # committed tuning; a variant converting the next tile into a second f16 buffer while PV ran
 # (block_n 32: shared memory holds two tiles only there) lost 12-60%, and is gone.
-SWEEP = [(64, 2, 128), (64, 1, 256), (32, 2, 128)]
+# lean: two barriers a step instead of four (the tile's fence merged into the stage
+# barrier; the end-of-step barrier left to the next step's first): NOT RUN yet.
+SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 128, True)]
 
 
 def _name(rt):
@@ -102,14 +104,14 @@ def main(argv=None):
         line += f" | wgmma / triton {res['wgmma'] / res['triton']:.2f}x"
         print(line, flush=True)
         if sweep:
-            for bn, stages, min_split in SWEEP:
+            for bn, stages, min_split, lean in SWEEP:
                 cfg = dict(rt.FUSED_TUNING["large"], wgmma=True, gluon=False, wg_block_n=bn,
-                           wg_num_stages=stages, wg_min_split=min_split)
+                           wg_num_stages=stages, wg_min_split=min_split, wg_lean=lean)
                 try:
                     us = graph_ms(lambda: run(cfg=cfg)) * 1e3
                     e2 = vector_rel_err(out[:nq], ref)
                     ok_all &= e2 < TOL
-                    print(f"    {head} block_n {bn} stages {stages} min_split {min_split}: {us:7.1f} us "
+                    print(f"    {head} block_n {bn} stages {stages} min_split {min_split} lean {lean}: {us:7.1f} us "
                           f"({us / bf16:.2f}x bf16) err {e2:.1e}", flush=True)
                 except Exception as exc:  # a tuning that does not fit (shared memory): said
                     print(f"    {head} block_n {bn} stages {stages}: {type(exc).__name__}: {exc}"[:300], flush=True)

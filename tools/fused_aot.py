@@ -99,16 +99,16 @@ def _dump(dump, tag, k):
         (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
 
 
-def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None):
+def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None, lean=None):
     """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a."""
     rt = _fused()
     kernel = rt._fused_wgmma_build()
     tune = rt.FUSED_WGMMA_TUNING
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, CAUSAL=tq > 1, HAS_CKV_SCALE=scales,
                  HAS_KPE_SCALE=scales, BLOCK_N=block_n or tune["block_n"], STAGES=stages or tune["num_stages"],
-                 DIRECT=False)
-    return _compile_gluon_kernel(kernel, const, tune["num_warps"],
-                                 f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const['STAGES']}", dump)
+                 DIRECT=False, LEAN=tune["lean"] if lean is None else lean)
+    tag = f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const['STAGES']}{'_lean' if const['LEAN'] else ''}"
+    return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
 def _ptxas(ptx, maxnreg=None):
@@ -137,11 +137,14 @@ def main(argv=None):
     ap.add_argument("--wgmma", action="store_true", help="the 64-row warpgroup-MMA kernel, every variant")
     args = ap.parse_args(argv)
     if args.wgmma:
-        for ps, by_indptr, scales, heads, tq in ((1, True, False, 128, 1), (64, False, True, 128, 1),
-                                                 (1, True, False, 16, 4), (16, False, False, 16, 8)):
-            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump)
+        # The last: the LEAN variant (two barriers a step, not four; not the default)
+        for ps, by_indptr, scales, heads, tq, lean in ((1, True, False, 128, 1, None), (64, False, True, 128, 1, None),
+                                                       (1, True, False, 16, 4, None), (16, False, False, 16, 8, None),
+                                                       (1, True, False, 128, 1, True)):
+            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean)
             print(f"wgmma heads {heads} tq {tq} page size {ps} {'kv_indptr' if by_indptr else 'page table'} "
-                  f"scales {scales}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
+                  f"scales {scales}{' lean' if lean else ''}: {r['regs']} regs, {r['spill']} B spilled, "
+                  f"{r['smem']} B shared", flush=True)
         return 0
     if args.gluon:
         # The last two: the PREFETCH variant (page indices a step ahead; not the default)

@@ -40,6 +40,10 @@ from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
 # ---------------------------------------------------------------------------
 # Fused FP8 MLA attention: the 64-row warpgroup-MMA split kernel (Gluon)
 
+# Its launch constants (GPU runs 47-48, H100): 64 positions a step (32 took 1.2-1.6x the
+# time), one FP8 stage (two within 2%), one CTA an SM (184 KB of shared memory). A config's
+# "wg_<key>" overrides one (gpu/gluon_wgmma_probe.py's sweep). lean: two barriers a step,
+# not four (NOT RUN on a GPU yet).
 FUSED_WGMMA_TUNING = {
     "block_m": 64,
     "block_n": 64,
@@ -47,9 +51,11 @@ FUSED_WGMMA_TUNING = {
     "num_warps": 8,
     "ctas_per_sm": 1,
     "min_split": 128,
+    "lean": False,
 }
 _fused_wgmma = None  # the kernel, built on first use; False: no Gluon here
-# NOT VERIFIED on a GPU yet: off unless a config asks ("wgmma": True).
+# On since its GPU tests and verify on the real trees passed (GPU run 48): 0.55-0.83x the
+# Triton kernel's time at 64 rows a request or more. "wgmma": False keeps the Triton kernel.
 FUSED_WGMMA_DEFAULT = True
 
 
@@ -69,12 +75,8 @@ def _fused_wgmma_choice(geometry, consts):
     kernel = _fused_wgmma_build()
     if not kernel:
         return None
-    cfg = dict(
-        cfg,
-        **FUSED_WGMMA_TUNING,
-        **{k: v for k, v in cfg.items() if k.startswith("wg_")},
-    )
-    for k in ("block_n", "num_stages", "ctas_per_sm", "min_split"):
+    cfg = dict(cfg, **FUSED_WGMMA_TUNING)
+    for k in ("block_n", "num_stages", "ctas_per_sm", "min_split", "lean"):
         cfg[k] = cfg.get("wg_" + k, cfg[k])
     groups = -(-m_rows // 64)
     if n_splits is None:
@@ -94,6 +96,7 @@ def _fused_wgmma_choice(geometry, consts):
         BLOCK_N=cfg["block_n"],
         STAGES=cfg["num_stages"],
         DIRECT=n_splits == 1 and cfg.get("direct", True),
+        LEAN=cfg["lean"],
         num_warps=8,
     )
     return kernel, cfg, n_splits, tuple(launch.items()), 64
@@ -198,6 +201,7 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
         DIRECT: gl.constexpr,
+        LEAN: gl.constexpr,
     ):
         BM: gl.constexpr = 64
         BN: gl.constexpr = BLOCK_N
@@ -300,6 +304,8 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()
             _fw_convert(kv_st.index(st), pe_st.index(st), k_s, kpe_s, Q4, cv_l, cpe_l)
+            if LEAN:  # one barrier: the tile's stores fenced for wgmma, stage st free
+                fence_async_shared()
             gl.thread_barrier()  # every thread done reading stage st before it refills
             _fw_copy(
                 kv,
@@ -318,8 +324,9 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             nxt_pe = _fg_slots(
                 table, base, lo + (t + STAGES + 1) * BN, hi, n_slots, PS, r_pe
             )
-            fence_async_shared()  # the generic stores above, before wgmma's async reads
-            gl.thread_barrier()
+            if not LEAN:
+                fence_async_shared()  # the generic stores above, before wgmma's async reads
+                gl.thread_barrier()
             sc = wgmma(q_s, k_s.permute((1, 0)), zs, use_acc=False, is_async=True)
             if SPLIT_PE:
                 sp = wgmma(
@@ -342,7 +349,10 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             acc = wgmma(p16, k_s, acc * al[:, None], is_async=True)
             acc = wgmma_wait(0, deps=(acc,))
             m_i = m_new
-            gl.thread_barrier()  # both warpgroups past the f16 tile before it is rewritten
+            if (
+                not LEAN
+            ):  # LEAN: the next step's first barrier, after each PV's wait, does it
+                gl.thread_barrier()  # both warpgroups past the f16 tile before it is rewritten
         async_copy.wait_group(0)
 
         inv, lse = _fg_finish(m_i, l_i, ckv)

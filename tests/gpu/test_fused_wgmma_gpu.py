@@ -41,8 +41,9 @@ if torch.cuda.get_device_capability() not in RT.FUSED_GLUON_CAPABILITY:
     pytest.skip("the warpgroup-MMA kernel is built for SM 9.0 only", allow_module_level=True)
 
 
-def cfg(wgmma=True):
-    return dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=wgmma)
+def cfg(wgmma=True, lean=False):
+    # lean: the variant with two barriers a step (not the default yet)
+    return dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=wgmma, wg_lean=lean)
 
 
 def _name():
@@ -50,9 +51,11 @@ def _name():
     return getattr(k, "name", None) or k.metadata.name
 
 
-@pytest.mark.parametrize("heads,tq,ps,scales", [(128, 1, 1, False), (128, 1, 64, True), (16, 4, 16, False),
-                                                (16, 8, 1, True), (64, 1, 1, False), (16, 6, 64, False)])
-def test_page_table_rows_match_fp32_reference(heads, tq, ps, scales):
+@pytest.mark.parametrize("heads,tq,ps,scales,lean", [(128, 1, 1, False, False), (128, 1, 64, True, False),
+                                                     (16, 4, 16, False, False), (16, 8, 1, True, False),
+                                                     (64, 1, 1, False, False), (16, 6, 64, False, False),
+                                                     (128, 1, 64, True, True), (16, 4, 16, False, True)])
+def test_page_table_rows_match_fp32_reference(heads, tq, ps, scales, lean):
     """Ragged lengths through a page table; 16 x 6 = 96 rows leaves the second group part
     empty (masked rows). Against the Triton kernel and the reference, bit-identical twice,
     and a wrong page fails."""
@@ -61,7 +64,8 @@ def test_page_table_rows_match_fp32_reference(heads, tq, ps, scales):
     pool = fp8_pool(slots, page_size=ps if ps > 1 else None)
     pt, sl = table_batch(lens, slots // ps, ps, width=4096 // ps + 3)
     qn, qp = queries(len(lens) * tq, heads)
-    kw = dict(page_table=pt, cache_seqlens=sl, page_size=ps, q_per_request=tq, causal=tq > 1, config=cfg())
+    kw = dict(page_table=pt, cache_seqlens=sl, page_size=ps, q_per_request=tq, causal=tq > 1,
+              config=cfg(lean=lean))
     if scales:
         kw.update(ckv_scale=0.5, kpe_scale=torch.full((1,), 2.0, device=DEV))
     out = run(qn, qp, pool, **kw)
