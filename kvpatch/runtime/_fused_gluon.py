@@ -71,9 +71,7 @@ def _fused_gluon_choice(geometry, consts):
     heads, tq, d, dpe, flat, interpret, device, cfg, n_splits, programs = geometry
     if (heads, tq, d, dpe) != (16, 1, 512, 64) or not flat or interpret:
         return None
-    if not cfg.get("gluon", FUSED_GLUON_DEFAULT) or device.type != "cuda":
-        return None
-    if torch.cuda.get_device_capability(device) not in FUSED_GLUON_CAPABILITY:
+    if not cfg.get("gluon", FUSED_GLUON_DEFAULT) or not _fused_gluon_device(device):
         return None
     kernel = _fused_gluon_build()
     if not kernel:
@@ -101,24 +99,42 @@ def _fused_gluon_choice(geometry, consts):
     return kernel, cfg, n_splits, tuple(launch.items()), 16
 
 
-def _fused_gluon_build():
-    global _fused_gluon
-    if _fused_gluon is not None:
-        return _fused_gluon
+def _fused_gluon_device(device):
+    """Whether a Gluon kernel may serve on device: a CUDA GPU of a capability it has run on."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) in FUSED_GLUON_CAPABILITY
+    )
+
+
+def _fused_gluon_lang():
+    """(gluon, gl) where this Triton is one the Gluon kernels have run on, else None."""
     try:
         import triton
 
         if not triton.__version__.startswith(FUSED_GLUON_TRITON):
-            raise ImportError(triton.__version__)
+            return None
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
+    except Exception:
+        return None
+    return gluon, gl
+
+
+def _fused_gluon_build():
+    global _fused_gluon
+    if _fused_gluon is not None:
+        return _fused_gluon
+    lang = _fused_gluon_lang()
+    try:
         from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
     except Exception:
+        lang = None
+    if lang is None:
         _fused_gluon = False
         return _fused_gluon
-
-    _fused_gluon_build_ops(gluon, gl)
-    _fused_gluon = _fg_kernel(gluon, gl, async_copy, mma_v2)
+    _fused_gluon_build_ops(*lang)
+    _fused_gluon = _fg_kernel(*lang, async_copy, mma_v2)
     return _fused_gluon
 
 

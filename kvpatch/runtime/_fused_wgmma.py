@@ -20,9 +20,7 @@ Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there)
 imports above the "joined from here" line only let this part read alone.
 """
 
-import torch
-
-from kvpatch.runtime._fused_gluon import FUSED_GLUON_CAPABILITY, FUSED_GLUON_TRITON
+from kvpatch.runtime._fused_gluon import _fused_gluon_device, _fused_gluon_lang
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
     _fg_finish,
     _fg_kv_scales,
@@ -45,7 +43,6 @@ from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
 # "wg_<key>" overrides one (gpu/gluon_wgmma_probe.py's sweep). lean: two barriers a step,
 # not four (NOT RUN on a GPU yet).
 FUSED_WGMMA_TUNING = {
-    "block_m": 64,
     "block_n": 64,
     "num_stages": 1,
     "num_warps": 8,
@@ -53,6 +50,8 @@ FUSED_WGMMA_TUNING = {
     "min_split": 128,
     "lean": False,
 }
+# Query rows a CTA holds: the kernel's layouts are two warpgroups of 4 x 16 rows (its BM).
+FUSED_WGMMA_ROWS = 64
 _fused_wgmma = None  # the kernel, built on first use; False: no Gluon here
 # On since its GPU tests and verify on the real trees passed (GPU run 48): 0.55-0.83x the
 # Triton kernel's time at 64 rows a request or more. "wgmma": False keeps the Triton kernel.
@@ -60,17 +59,15 @@ FUSED_WGMMA_DEFAULT = True
 
 
 def _fused_wgmma_choice(geometry, consts):
-    """(kernel, config, split count, launch constants, block_m) when the 64-row kernel
+    """(kernel, config, split count, launch constants, rows a CTA) when the 64-row kernel
     serves this call, else None. geometry: (heads x query tokens, latent and rope widths,
     flat table, interpreter, device, config, split count or None, batch); consts: (page
     size, indptr rows, causal, whether each FP8 scale is applied, heads, query tokens).
     """
     m_rows, d, dpe, flat, interpret, device, cfg, n_splits, batch = geometry
-    if (d, dpe) != (512, 64) or m_rows < 64 or not flat or interpret:
+    if (d, dpe) != (512, 64) or m_rows < FUSED_WGMMA_ROWS or not flat or interpret:
         return None
-    if not cfg.get("wgmma", FUSED_WGMMA_DEFAULT) or device.type != "cuda":
-        return None
-    if torch.cuda.get_device_capability(device) not in FUSED_GLUON_CAPABILITY:
+    if not cfg.get("wgmma", FUSED_WGMMA_DEFAULT) or not _fused_gluon_device(device):
         return None
     kernel = _fused_wgmma_build()
     if not kernel:
@@ -78,7 +75,7 @@ def _fused_wgmma_choice(geometry, consts):
     cfg = dict(cfg, **FUSED_WGMMA_TUNING)
     for k in ("block_n", "num_stages", "ctas_per_sm", "min_split", "lean"):
         cfg[k] = cfg.get("wg_" + k, cfg[k])
-    groups = -(-m_rows // 64)
+    groups = -(-m_rows // FUSED_WGMMA_ROWS)
     if n_splits is None:
         sms = _fused_sm_count(device) * cfg["ctas_per_sm"]
         n_splits = _fused_split_count(sms, batch * groups, False)
@@ -97,22 +94,17 @@ def _fused_wgmma_choice(geometry, consts):
         STAGES=cfg["num_stages"],
         DIRECT=n_splits == 1 and cfg.get("direct", True),
         LEAN=cfg["lean"],
-        num_warps=8,
+        num_warps=cfg["num_warps"],
     )
-    return kernel, cfg, n_splits, tuple(launch.items()), 64
+    return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
 
 
 def _fused_wgmma_build():
     global _fused_wgmma
     if _fused_wgmma is not None:
         return _fused_wgmma
+    lang = _fused_gluon_lang()
     try:
-        import triton
-
-        if not triton.__version__.startswith(FUSED_GLUON_TRITON):
-            raise ImportError(triton.__version__)
-        from triton.experimental import gluon
-        from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
             async_copy,
             fence_async_shared,
@@ -120,11 +112,13 @@ def _fused_wgmma_build():
             warpgroup_mma_wait,
         )
     except Exception:
+        lang = None
+    if lang is None:
         _fused_wgmma = False
         return _fused_wgmma
-    _fused_gluon_build_ops(gluon, gl)
+    _fused_gluon_build_ops(*lang)
     _fused_wgmma = _fw_kernel(
-        gluon, gl, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+        *lang, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     )
     return _fused_wgmma
 
@@ -203,7 +197,7 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
         DIRECT: gl.constexpr,
         LEAN: gl.constexpr,
     ):
-        BM: gl.constexpr = 64
+        BM: gl.constexpr = 64  # FUSED_WGMMA_ROWS
         BN: gl.constexpr = BLOCK_N
         HALF: gl.constexpr = D // 2
         SPLIT_PE: gl.constexpr = HAS_CKV_SCALE or HAS_KPE_SCALE
