@@ -81,6 +81,27 @@ def probe_candidates(rt, ws, pool, pool16, b, base, candidates, head):
             print(f"    {cand} ctas {ctas}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
 
 
+def split_kernel_name(rt):
+    """The name of the split kernel the runtime's last fused_mla call launched."""
+    k = rt._fused_last["split"]
+    return getattr(k, "name", None) or k.metadata.name
+
+
+def probe_check(run, b, slots, ref, nq):
+    """One kernel of a GPU probe's shape (gpu/gluon_*_probe.py): run(perm) is the fused call
+    on the shape's rows. Its fp32-reference error on the first nq query rows, bit-equality
+    over two runs, the error when request 0 reads the slot after each of its rows (must fail
+    the check), and its graph time: (us, err, deterministic, sabotage error)."""
+    first = run().clone()
+    err = vector_rel_err(first[:nq], ref)
+    det = bool(torch.equal(first, run()))
+    bad = b["perm"].clone()
+    n0 = int(b["kv_indptr"][1])  # a batch of one too
+    bad[:n0] = (bad[:n0] + 1) % slots
+    sab = vector_rel_err(run(bad)[:nq], ref)
+    return graph_ms(run) * 1e3, err, det, sab
+
+
 def fused_module(rt):
     """The runtime itself: fused_mla is one of its parts."""
     return rt

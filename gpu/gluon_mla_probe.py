@@ -31,12 +31,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bench_attention import copy_bandwidth, make_pool  # noqa: E402
-from bench_fused import ROW, SM_SCALE, batch, fi_wrapper, graph_ms, probe_setup  # noqa: E402
+from bench_fused import (ROW, SM_SCALE, batch, fi_wrapper, graph_ms, probe_check, probe_setup,  # noqa: E402
+                         split_kernel_name)
 
 from kvpatch.verify.fused_reference import fused_reference  # noqa: E402
-from kvpatch.verify.judge import vector_rel_err  # noqa: E402
+from kvpatch.verify.judge import FUSED_REL_TOL, vector_rel_err  # noqa: E402
 
-TOL = 1.5e-2  # per output vector, against fp32 (tests/gpu/test_fused_gpu.py's)
+TOL = FUSED_REL_TOL  # per output vector, against fp32 (verify's and the GPU tests')
 SHAPES = ((1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192))
 # (ctas_per_sm, min_split, num_stages, prefetch) for --sweep. Run 47 (notes/gpu-runs.md) swept
 # the first three: the committed (3, 64, 2) best or within 2% but at 8 x 4k (2 CTAs: 4% less).
@@ -77,16 +78,8 @@ def main(argv=None):
                              config=cfg)
                 return out
 
-            first = run().clone()
-            kernel = rt._fused_last["split"]
-            kname = getattr(kernel, "name", None) or kernel.metadata.name
-            err = vector_rel_err(first[:nq], ref)
-            det = bool(torch.equal(first, run()))
-            bad = b["perm"].clone()
-            n0 = int(b["kv_indptr"][1])  # request 0 reads the slot after each of its rows (a batch of one too)
-            bad[:n0] = (bad[:n0] + 1) % slots
-            sab = vector_rel_err(run(bad)[:nq], ref)
-            us = graph_ms(run) * 1e3
+            us, err, det, sab = probe_check(run, b, slots, ref, nq)
+            kname = split_kernel_name(rt)
             good = err < TOL and det and sab > TOL and (kname.startswith("_fused_gluon") == gluon)
             ok_all &= good
             res[name] = us
@@ -120,8 +113,7 @@ def sweep_shape(rt, run, bf16, tuned, head, error):
             err = error(run(cfg=cfg))
             good &= err < TOL
             us = graph_ms(lambda: run(cfg=cfg)) * 1e3
-            kernel = rt._fused_last["split"]  # a one-split batch keeps the Triton kernel: said
-            kname = getattr(kernel, "name", None) or kernel.metadata.name
+            kname = split_kernel_name(rt)  # a one-split batch keeps the Triton kernel: said
             tuned[t].append(us / bf16)
             print(f"    {head} ctas {ctas} min_split {min_split} stages {stages} prefetch {prefetch}: {us:7.1f} us "
                   f"({us / bf16:.2f}x bf16, {kname}) err {err:.1e}{'' if err < TOL else ' FAILED'}", flush=True)

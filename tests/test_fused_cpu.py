@@ -169,16 +169,22 @@ def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
     with assert_trivial (a permutation that moved data between threads fails the build), and
     the budget the plan assumes holds: no spills, three CTAs an SM by registers and shared
     memory. (The numerics are GPU tests: tests/gpu/test_fused_gpu.py.)"""
+    rows = _aot_compiled("--gluon")
+    assert len(rows) == 7 and sum("prefetch" in line for line, *_ in rows) == 2, rows
+    for line, regs, spill, smem in rows:
+        assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
+
+
+def _aot_compiled(flag, dump=None):
+    """tools/fused_aot.py FLAG's report, a (line, registers, spilled bytes, shared bytes) a
+    compiled variant (the lines that start with FLAG's kernel name)."""
     pytest.importorskip("triton", reason="Triton is not importable: the ahead-of-time compile needs it")
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon (3.5 and later)")
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "fused_aot.py"), "--gluon"], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+    cmd = [sys.executable, str(ROOT / "tools" / "fused_aot.py"), flag] + (["--dump", str(dump)] if dump else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = [line for line in res.stdout.splitlines() if line.startswith("gluon ")]
-    assert len(rows) == 7 and sum("prefetch" in line for line in rows) == 2, res.stdout
-    for line in rows:
-        regs, spill, smem = (int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line))
-        assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
+    return [(line, *(int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line)))
+            for line in res.stdout.splitlines() if line.startswith(flag[2:] + " ")]
 
 
 def test_gluon_kernel_only_on_the_triton_and_gpu_it_has_run_on(monkeypatch):
@@ -202,21 +208,21 @@ def test_gluon_kernel_only_on_the_triton_and_gpu_it_has_run_on(monkeypatch):
     assert fz._fused_gluon_build() is False
 
 
-def test_wgmma_split_kernel_compiles_for_sm90_in_its_shared_memory_budget():
+def test_wgmma_split_kernel_compiles_for_sm90_in_its_shared_memory_budget(tmp_path):
     """The 64-row warpgroup-MMA kernel (runtime part _fused_wgmma), compiled for sm_90a with no
     GPU (tools/fused_aot.py --wgmma): warpgroup MMAs in the PTX (QK and PV), no spills, and
     one CTA of 8 warps fits an SM by registers and shared memory. (Numerics: GPU tests,
     tests/gpu/test_fused_wgmma_gpu.py.)"""
-    pytest.importorskip("triton", reason="Triton is not importable: the ahead-of-time compile needs it")
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon (3.5 and later)")
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "fused_aot.py"), "--wgmma"], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout + res.stderr
-    rows = [line for line in res.stdout.splitlines() if line.startswith("wgmma ")]
-    assert len(rows) == 5 and sum(" lean:" in line for line in rows) == 1, res.stdout
-    for line in rows:
-        regs, spill, smem = (int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line))
+    rows = _aot_compiled("--wgmma", tmp_path)
+    assert len(rows) == 5 and sum(" lean:" in line for line, *_ in rows) == 1, rows
+    for line, regs, spill, smem in rows:
         assert spill == 0 and regs * 256 <= 65536 and smem <= 232448, line
+    ptx = sorted(tmp_path.glob("wgmma_*.ptx"))
+    assert len(ptx) == 5
+    for f in ptx:  # QK (m64n32k16: the warpgroups split the tile's 64 rows) and PV (m64n256k16)
+        text = f.read_text()
+        assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16" in text, f.name
+        assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text, f.name
 
 
 def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_run_on(monkeypatch):

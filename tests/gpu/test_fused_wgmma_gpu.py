@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton not importable: the fused kernel ca
 from test_fused_gpu import (  # noqa: E402
     DEV,
     RT,
+    _split_kernel_name,
     fp8_pool,
     indptr_batch,
     ok,
@@ -46,11 +47,6 @@ def cfg(wgmma=True, lean=False):
     return dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=wgmma, wg_lean=lean)
 
 
-def _name():
-    k = RT._fused_last["split"]
-    return getattr(k, "name", None) or k.metadata.name
-
-
 @pytest.mark.parametrize("heads,tq,ps,scales,lean", [(128, 1, 1, False, False), (128, 1, 64, True, False),
                                                      (16, 4, 16, False, False), (16, 8, 1, True, False),
                                                      (64, 1, 1, False, False), (16, 6, 64, False, False),
@@ -69,9 +65,9 @@ def test_page_table_rows_match_fp32_reference(heads, tq, ps, scales, lean):
     if scales:
         kw.update(ckv_scale=0.5, kpe_scale=torch.full((1,), 2.0, device=DEV))
     out = run(qn, qp, pool, **kw)
-    assert _name().startswith("_fused_wgmma_split_kernel")
+    assert _split_kernel_name().startswith("_fused_wgmma_split_kernel")
     tri = run(qn, qp, pool, **dict(kw, config=cfg(False)))
-    assert _name().startswith("_fused_split_kernel")
+    assert _split_kernel_name().startswith("_fused_split_kernel")
     ref = fused_reference(qn, qp, pool, 0.1, rows_table(pt, sl, ps), tq, tq > 1,
                           ckv_scale=0.5 if scales else 1.0, kpe_scale=2.0 if scales else 1.0)
     assert ok(out, ref), rel_err(out, ref)
@@ -91,7 +87,7 @@ def test_indptr_rows_one_split_and_many(n_splits):
     perm, indptr = indptr_batch(lens, 40_000)
     qn, qp = queries(len(lens), 128)
     out = run(qn, qp, pool, kv_indptr=indptr, kv_indices=perm, n_splits=n_splits, config=cfg())
-    assert _name().startswith("_fused_wgmma_split_kernel")
+    assert _split_kernel_name().startswith("_fused_wgmma_split_kernel")
     ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr))
     assert ok(out, ref), rel_err(out, ref)
 
@@ -113,7 +109,7 @@ def test_graph_replays_with_more_and_fewer_rows_than_at_capture():
     kw = dict(page_table=pt, cache_seqlens=sl, q_per_request=tq, causal=True, config=cfg())
     write([1000, 1000, 1000, 1000], 0)
     RT.fused_mla(qn, qp, pool, out, 0.1, **kw)
-    assert _name().startswith("_fused_wgmma_split_kernel")
+    assert _split_kernel_name().startswith("_fused_wgmma_split_kernel")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         RT.fused_mla(qn, qp, pool, out, 0.1, **kw)
@@ -134,7 +130,7 @@ def test_sabotages_fail_the_check():
     kw = dict(kv_indices=perm, q_per_request=4, config=cfg())
     ref = fused_reference(qn, qp, pool, 0.1, rows_indptr(perm, indptr), 4, True)
     assert ok(run(qn, qp, pool, kv_indptr=indptr, causal=True, **kw), ref)
-    assert _name().startswith("_fused_wgmma_split_kernel")
+    assert _split_kernel_name().startswith("_fused_wgmma_split_kernel")
     stale = torch.tensor([0, 64, 192, 229, 357], dtype=torch.int32, device=DEV)
     assert not ok(run(qn, qp, pool, kv_indptr=stale, causal=True, **kw), ref)
     assert not ok(run(qn, qp, pool, kv_indptr=indptr, causal=False, **kw), ref)
