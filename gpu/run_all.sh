@@ -55,6 +55,7 @@ for s in $steps; do
             python3 gpu/stages_probe.py 2>&1 | tee "$OUT/stages_probe.log" ;;
     gluon_mla) python3 gpu/gluon_mla_probe.py 2>&1 | tee "$OUT/gluon_mla_probe.log" ;;
     gluon_sweep) python3 gpu/gluon_mla_probe.py --sweep 2>&1 | tee "$OUT/gluon_sweep.log" ;;
+    breakdown) python3 gpu/breakdown_probe.py 2>&1 | tee "$OUT/breakdown_probe.log" ;;
     wgmma_tests) python3 -m pytest -q -ra tests/gpu/test_fused_wgmma_gpu.py 2>&1 | tee "$OUT/wgmma_tests.log" ;;
     wgmma_probe) python3 gpu/gluon_wgmma_probe.py --sweep 2>&1 | tee "$OUT/gluon_wgmma_probe.log" ;;
     gluon_pv) python3 gpu/gluon_pv_probe.py 2>&1 | tee "$OUT/gluon_pv_probe.log" ;;
