@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SM_REGS, SM_SMEM = 65536, 232448  # per SM on sm_90 (H100 / H200)
 TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", "lens": "*i32",
-         "part_o": "*fp32", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
+         "part_o": "*fp16", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
 # --f16/--pv-asm/--v-early/--qk-acc/--direct (DIRECT: one split, the output written in place)
 FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False}
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
@@ -60,7 +60,7 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
 
 
-def compile_gluon(ps, by_indptr, scales, dump=None, prefetch=None):
+def compile_gluon(ps, by_indptr, scales, dump=None):
     """The runtime's Gluon split kernel (runtime part _fused_gluon) for sm_90a: registers,
     spills, shared memory. Its operand layout conversions are assert_trivial: a layout that
     would move data between threads fails here, not on a device."""
@@ -68,9 +68,8 @@ def compile_gluon(ps, by_indptr, scales, dump=None, prefetch=None):
     kernel = rt._fused_gluon_build()
     tune = rt.FUSED_GLUON_TUNING
     const = dict(H=16, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, HAS_CKV_SCALE=scales, HAS_KPE_SCALE=scales,
-                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"],
-                 PREFETCH=tune["prefetch"] if prefetch is None else prefetch)
-    tag = f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}{'_pf' if const['PREFETCH'] else ''}"
+                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"])
+    tag = f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}"
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
@@ -81,7 +80,8 @@ def _compile_gluon_kernel(kernel, const, num_warps, tag, dump):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in const else TYPES.get(n, "i32") for n in names}
+    types = dict(TYPES, part_o="*bf16") if const.get("DIRECT") else TYPES  # the output itself
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -106,8 +106,9 @@ def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=N
     tune = rt.FUSED_WGMMA_TUNING
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, CAUSAL=tq > 1, HAS_CKV_SCALE=scales,
                  HAS_KPE_SCALE=scales, BLOCK_N=block_n or tune["block_n"], STAGES=stages or tune["num_stages"],
-                 DIRECT=False, LEAN=tune["lean"] if lean is None else lean)
-    tag = f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const['STAGES']}{'_lean' if const['LEAN'] else ''}"
+                 DIRECT=FLAGS["DIRECT"], LEAN=tune["lean"] if lean is None else lean)
+    tag = (f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const['STAGES']}{'_lean' if const['LEAN'] else ''}"
+           f"{'_direct' if const['DIRECT'] else ''}")
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
@@ -147,14 +148,11 @@ def main(argv=None):
                   f"{r['smem']} B shared", flush=True)
         return 0
     if args.gluon:
-        # The last two: the PREFETCH variant (page indices a step ahead; not the default)
-        for ps, by_indptr, scales, pf in ((1, True, False, None), (16, True, False, None), (1, False, True, None),
-                                          (16, False, False, None), (64, False, True, None), (1, True, False, True),
-                                          (64, False, True, True)):
-            r = compile_gluon(ps, by_indptr, scales, args.dump, pf)
-            print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}"
-                  f"{' prefetch' if pf else ''}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared",
-                  flush=True)
+        for ps, by_indptr, scales in ((1, True, False), (16, True, False), (1, False, True), (16, False, False),
+                                      (64, False, True)):
+            r = compile_gluon(ps, by_indptr, scales, args.dump)
+            print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}: "
+                  f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))

@@ -206,10 +206,10 @@ def fused_mla(
         _fused_last["combine"] = _launch(
             plan["combine_k"],
             plan["combine_grid"],
-            (part_o, part_lse, lens, out) + plan["combine_ints"],
+            (part_o, part_lse, lens, out, ckv_t) + plan["combine_ints"],
             plan["combine_consts"],
             spec,
-            split_ptrs and (p_o, p_lse, ptrs[4], ptrs[5]) + plan["combine_ints"],
+            split_ptrs and (p_o, p_lse, ptrs[4], ptrs[5], p_ckv) + plan["combine_ints"],
         )
     return out
 
@@ -365,6 +365,7 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
                 BLOCK_N=cfg["block_n"],
                 SB=comb_sb,
                 DB=comb_db,
+                HAS_CKV_SCALE=has_ckv,
                 num_warps=4,
             ).items()
         ),

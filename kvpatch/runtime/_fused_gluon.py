@@ -44,7 +44,6 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
 FUSED_GLUON_TUNING = {
     "block_n": 32,
     "num_stages": 2,
-    "prefetch": False,
     "num_warps": 4,
     "ctas_per_sm": 3,
     "min_split": 64,
@@ -93,7 +92,6 @@ def _fused_gluon_choice(geometry, consts):
         HAS_KPE_SCALE=has_kpe,
         BLOCK_N=cfg["block_n"],
         STAGES=cfg["num_stages"],
-        PREFETCH=cfg["prefetch"],
         num_warps=cfg["num_warps"],
     )
     return kernel, cfg, n_splits, tuple(launch.items()), 16
@@ -171,7 +169,6 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         HAS_KPE_SCALE: gl.constexpr,
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
-        PREFETCH: gl.constexpr,
     ):
         BN: gl.constexpr = BLOCK_N
         C: gl.constexpr = D // 4
@@ -288,23 +285,15 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         acc = gl.zeros([4, H, C], gl.float32, mma3)
         # Step t's rows staged STAGES - 1 steps ahead; a masked or out-of-pool row is never
         # read (the copy fills zeros) and its score is -inf.
-        # PREFETCH: each step's page indices are loaded a step before their use (the 64-row
-        # kernel gained 5-12% from it, GPU run 48); otherwise in the step that uses them.
-        if PREFETCH:
-            nxt = _fg_slots(table, base, lo, hi, n_slots, PS, r)
-            cur_s = _fg_slots(table, base, lo, hi, n_slots, PS, rs)
+        # The page indices are loaded in the step that uses them: loading them a step ahead
+        # (as the 64-row kernel does) took 1-3% longer here (GPU run 49).
         for t in range(-(STAGES - 1), n_steps):
             u = t + STAGES - 1
-            if PREFETCH:
-                slot = nxt.to(gl.int64)
-                ok = slot >= 0
-                nxt = _fg_slots(table, base, lo + (u + 1) * BN, hi, n_slots, PS, r)
-            else:
-                pos = lo + u * BN + r
-                ok = pos < hi
-                page = gl.load(table + base + pos // PS, mask=ok, other=0).to(gl.int64)
-                slot = page * PS + pos % PS
-                ok = ok & (slot >= 0) & (slot < n_slots)
+            pos = lo + u * BN + r
+            ok = pos < hi
+            page = gl.load(table + base + pos // PS, mask=ok, other=0).to(gl.int64)
+            slot = page * PS + pos % PS
+            ok = ok & (slot >= 0) & (slot < n_slots)
             row = (
                 kv
                 + slot[None, :, None] * stride_kv
@@ -322,19 +311,13 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
             )
             async_copy.commit_group()
             if t >= 0:
-                if PREFETCH:
-                    ok_s = cur_s >= 0
-                    cur_s = _fg_slots(
-                        table, base, lo + (t + 1) * BN, hi, n_slots, PS, rs
-                    )
-                else:
-                    pos_s = lo + t * BN + rs
-                    ok_s = pos_s < hi
-                    pg = gl.load(table + base + pos_s // PS, mask=ok_s, other=0).to(
-                        gl.int64
-                    )
-                    sl = pg * PS + pos_s % PS
-                    ok_s = ok_s & (sl >= 0) & (sl < n_slots)
+                pos_s = lo + t * BN + rs
+                ok_s = pos_s < hi
+                pg = gl.load(table + base + pos_s // PS, mask=ok_s, other=0).to(
+                    gl.int64
+                )
+                sl = pg * PS + pos_s % PS
+                ok_s = ok_s & (sl >= 0) & (sl < n_slots)
                 async_copy.wait_group(STAGES - 1)
                 gl.thread_barrier()
                 tile = kv_s.index(t % STAGES)
@@ -367,7 +350,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
                 m_i = m_new
                 gl.thread_barrier()  # every warp past this buffer before a later step refills it
         async_copy.wait_group(0)
-        inv, lse = _fg_finish(m_i, l_i, ckv)
+        inv, lse = _fg_finish(m_i, l_i)  # the combine applies the latent's scale
         hs = gl.arange(0, H, layout=gl.SliceLayout(1, s_l))
         gl.store(part_lse + (b * H + hs).to(gl.int64) * n_splits + s, lse)
         inv = gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, mma3)))
@@ -384,6 +367,6 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
             + (wo * C)[:, None, None]
             + co[None, None, :]
         )
-        gl.store(dst, o)
+        gl.store(dst, o.to(part_o.dtype.element_ty))
 
     return _fused_gluon_split_kernel

@@ -17,6 +17,7 @@ from kvpatch.runtime._fused_ops import (  # globals once _fused_build_ops has ru
     _fused_build_ops,
     _fused_q,
     _fused_rows,
+    _fused_part,
     _fused_vcvt,
     _fused_vraw,
     _fused_vrows,
@@ -285,10 +286,9 @@ def _fused_build():
             )
             m_i = m_new
         seen = l_i > 0.0
-        inv = ckv / tl.where(
-            seen, l_i, 1.0
-        )  # V is the latent: its scale scales the output
+        inv = 1.0 / tl.where(seen, l_i, 1.0)
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        ety = part_o.dtype.element_ty
         if DIRECT:
             # The combine of one split is o * 2^0 / 1: the same rounding, one launch fewer
             # (eager batches above the graph sizes: host time is the cost there).
@@ -298,16 +298,17 @@ def _fused_build():
                 + h[:, None] * stride_o_h
                 + c[None, :]
             )
-            ety = part_o.dtype.element_ty
+            post = ckv  # V is the latent: its scale scales the output
         else:
             prow = (b * TQ * H + m).to(tl.int64) * n_splits + s
             dst = part_o + prow[:, None] * D + c[None, :]
-            ety = tl.float32
             tl.store(part_lse + prow, lse, mask=m_ok)
-        tl.store(dst, (acc0 * inv[:, None]).to(ety), mask=m_ok[:, None])
-        tl.store(dst + C, (acc1 * inv[:, None]).to(ety), mask=m_ok[:, None])
-        tl.store(dst + 2 * C, (acc2 * inv[:, None]).to(ety), mask=m_ok[:, None])
-        tl.store(dst + 3 * C, (acc3 * inv[:, None]).to(ety), mask=m_ok[:, None])
+            post = 1.0  # the combine applies the latent's scale
+        okm = m_ok[:, None]
+        tl.store(dst, _fused_part(acc0, inv, post).to(ety), mask=okm)
+        tl.store(dst + C, _fused_part(acc1, inv, post).to(ety), mask=okm)
+        tl.store(dst + 2 * C, _fused_part(acc2, inv, post).to(ety), mask=okm)
+        tl.store(dst + 3 * C, _fused_part(acc3, inv, post).to(ety), mask=okm)
 
     @triton.jit(do_not_specialize=["n_splits", "min_split"])
     def _fused_combine_kernel(
@@ -315,6 +316,7 @@ def _fused_build():
         part_lse,
         lens,
         out,
+        ckv_scale,
         stride_o_t,
         stride_o_h,
         n_splits,
@@ -327,6 +329,7 @@ def _fused_build():
         BLOCK_N: tl.constexpr,
         SB: tl.constexpr,
         DB: tl.constexpr,
+        HAS_CKV_SCALE: tl.constexpr,
     ):
         # One program a (query row, DB-wide column block). The splits' partials are read
         # SB at a time as one tile, all loads in flight together. A loop of one split an
@@ -369,6 +372,8 @@ def _fused_build():
             l_run = l_run * alpha + tl.sum(w, 0)
             m_run = m_new
         res = acc / tl.where(l_run > 0.0, l_run, 1.0)
+        if HAS_CKV_SCALE:  # the partials leave it here (FUSED_PARTIAL_DTYPE)
+            res = res * tl.load(ckv_scale).to(tl.float32)
         dst = out + (b * TQ + t).to(tl.int64) * stride_o_t + h * stride_o_h + dn
         tl.store(dst, res.to(out.dtype.element_ty))
 

@@ -16,6 +16,7 @@ def _fused_build_ops(triton, tl):
     """Define the kernels' device functions as module globals: Triton resolves the names a
     kernel calls in the kernel's module, so they cannot stay local to a builder."""
     global _fused_rows, _fused_vrows, _fused_vraw, _fused_vcvt, _fused_q, _fused_amax
+    global _fused_part
 
     @triton.jit
     def _fused_rows(
@@ -110,3 +111,10 @@ def _fused_build_ops(triton, tl):
             ),
             0,
         )
+
+    @triton.jit
+    def _fused_part(acc, inv, post):
+        # A column block of a split's output, rounded to f16 as a partial is
+        # (FUSED_PARTIAL_DTYPE), then scaled by post: the latent's FP8 scale for a one-split
+        # launch, which so writes the bits split + combine would; 1 for a partial.
+        return (acc * inv[:, None]).to(tl.float16).to(tl.float32) * post

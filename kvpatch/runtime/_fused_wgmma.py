@@ -349,9 +349,13 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
                 gl.thread_barrier()  # both warpgroups past the f16 tile before it is rewritten
         async_copy.wait_group(0)
 
-        inv, lse = _fg_finish(m_i, l_i, ckv)
+        # A partial leaves the latent's scale to the combine; one split (DIRECT) rounds as
+        # a partial is (f16, FUSED_PARTIAL_DTYPE), then scales: the bits split + combine write.
+        inv, lse = _fg_finish(m_i, l_i)
         inv = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
         o = acc * inv[:, None]
+        if DIRECT:
+            o = o.to(gl.float16).to(gl.float32) * ckv
         mo = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_l))
         mo_ok = mo < TQ * H
         co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
@@ -364,7 +368,11 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             )
         else:
             prow = (b * TQ * H + mo).to(gl.int64) * n_splits + s
-            gl.store(part_o + prow[:, None] * D + co[None, :], o, mask=mo_ok[:, None])
+            gl.store(
+                part_o + prow[:, None] * D + co[None, :],
+                o.to(part_o.dtype.element_ty),
+                mask=mo_ok[:, None],
+            )
             ms = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
             ps = (b * TQ * H + ms).to(gl.int64) * n_splits + s
             gl.store(part_lse + ps, lse, mask=ms < TQ * H)

@@ -27,7 +27,7 @@ import torch
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "10"
+__kvpatch_runtime_version__ = "11"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [

@@ -415,17 +415,14 @@ def _split_kernel_name():
     return getattr(k, "name", None) or k.metadata.name
 
 
-@pytest.mark.parametrize("ps,scales,prefetch", [(1, False, False), (16, True, False), (64, False, False),
-                                               (1, False, True), (64, True, True)])
-def test_gluon_split_kernel_serves_16_heads_and_agrees_with_triton(ps, scales, prefetch, monkeypatch):
+@pytest.mark.parametrize("ps,scales", [(1, False), (16, True), (64, False), (64, True)])
+def test_gluon_split_kernel_serves_16_heads_and_agrees_with_triton(ps, scales):
     """16 heads, one token, "gluon": True: the plan takes the Gluon split kernel (runtime part
     _fused_gluon); both kernels within the fp32-reference tolerance on page tables, with FP8
     scales, bit-identical run to run. A wrong page fails the check. (It serves 16-head decode
     by default, FUSED_GLUON_DEFAULT, since this test and verify passed on a device.)"""
     if not RT._fused_gluon_build():
         pytest.skip("this Triton has no Gluon: the Triton kernel serves (tested above)")
-    # prefetch: the variant loading page indices a step ahead (not the default yet)
-    monkeypatch.setitem(RT.FUSED_GLUON_TUNING, "prefetch", prefetch)
     kw0 = dict(config=dict(RT.FUSED_TUNING["small"], gluon=True))
     lens = [1, 33, 4096, 513, 2000]
     slots = 65_536
