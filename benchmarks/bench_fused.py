@@ -365,6 +365,8 @@ def main(argv=None):
     ap.add_argument("--host-only", action="store_true", help="the eager host times alone")
     ap.add_argument("--gluon", choices=("default", "on", "off"), default="default",
                     help="the split kernel for fused calls: the runtime's default, Gluon, or Triton")
+    ap.add_argument("--f16-partials", choices=("default", "on", "off"), default="default",
+                    help="the splits' partials in f16 (FUSED_F16_PARTIALS) or fp32, else the runtime's default")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -377,11 +379,13 @@ def main(argv=None):
     fz = fused_module(rt)
     if args.gluon != "default":
         fz.FUSED_GLUON_DEFAULT = args.gluon == "on"
+    if args.f16_partials != "default":
+        fz.FUSED_F16_PARTIALS = args.f16_partials == "on"
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}; flashinfer {flashinfer.__version__}; torch {torch.__version__}; "
           f"copy {bw / 1e12:.2f} TB/s (read+write)", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    report = {"copy_bw": bw, "gluon": bool(fz.FUSED_GLUON_DEFAULT)}
+    report = {"copy_bw": bw, "gluon": bool(fz.FUSED_GLUON_DEFAULT), "f16_partials": bool(fz.FUSED_F16_PARTIALS)}
     if args.host_only:
         report["host_us"] = host_report(rt, fz, gen)[0]
         write_report(report, args.json)

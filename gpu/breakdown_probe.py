@@ -8,11 +8,12 @@ splits before a kernel is changed for it: per shape, each kernel's mean device t
 torch.profiler over eager calls, the sum, the CUDA-graph replay time of the whole call (the
 difference is launch gaps), the bytes of partials written and the FP8 floor, all in one run.
 
-    python gpu/breakdown_probe.py
+    python gpu/breakdown_probe.py [--f16-partials on|off]   (the splits' partials in f16 or fp32)
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections import defaultdict
@@ -48,11 +49,17 @@ def kernel_times(fn):
     return {k: (total[k] / count[k], count[k] / CALLS) for k in total}
 
 
-def main():
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--f16-partials", choices=("default", "on", "off"), default="default",
+                    help="FUSED_F16_PARTIALS for this run (default: the runtime's)")
+    args = ap.parse_args(argv)
     setup = probe_setup("breakdown_probe")
     if setup is None:
         return 2
     rt, gen, _ = setup
+    if args.f16_partials != "default":
+        rt.FUSED_F16_PARTIALS = args.f16_partials == "on"
     bw = copy_bandwidth()
     print(f"copy rate {bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}", flush=True)
     for heads, tq, bs, ctx in SHAPES:
@@ -69,10 +76,10 @@ def main():
         times = kernel_times(run)
         plan = list(rt._fused_plans.values())[-1]  # this shape's: planned on its first call
         splits = plan["split_grid"][1]
-        part = bs * tq * heads * 512 * 4 * splits if splits > 1 else 0
+        part = bs * tq * heads * 512 * plan["scratch"][0].element_size() * splits if splits > 1 else 0
         kern = sum(us * n for us, n in times.values())
         print(f"{heads}h x{tq} {bs}x{ctx}: graph {graph:7.1f} us | kernels {kern:7.1f} us "
-              f"(gaps {graph - kern:5.1f}) | splits {splits} | partials {part / 1e6:6.1f} MB "
+              f"(gaps {graph - kern:5.1f}) | splits {splits} | partials {part / 1e6:6.1f} MB {plan['scratch'][0].dtype} "
               f"({part * 2 / bw * 1e6:5.1f} us write+read at the copy rate) | floor "
               f"{b['rows'] * ROW / bw * 1e6:6.1f} us", flush=True)
         for name, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0] * kv[1][1]):

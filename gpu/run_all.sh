@@ -45,7 +45,7 @@ for s in $steps; do
     dcp) python3 gpu/verify_real.py --dcp 2 --dcp-rank 1 --out "$OUT/dcp" .gpu_payload/rel-0.5.17 .gpu_payload/rel-0.5.2* 2>&1 | tee "$OUT/verify_dcp.log" ;;
     vtests) python3 -m pytest -q -ra tests/gpu/test_verify_gpu.py 2>&1 | tee "$OUT/verify_tests.log" ;;
     fa3) python3 -m pytest -q -ra -s tests/gpu/test_verify_fa3_gpu.py 2>&1 | tee "$OUT/verify_fa3_tests.log" ;;
-    fused_tests) python3 -m pytest -q -ra tests/gpu/test_fused_gpu.py tests/gpu/test_fused_wgmma_gpu.py tests/gpu/test_route_gpu.py tests/gpu/test_mla_route_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_paged_mla_gpu.py 2>&1 | tee "$OUT/fused_tests.log" ;;
+    fused_tests) python3 -m pytest -q -ra tests/gpu/test_fused_gpu.py tests/gpu/test_fused_wgmma_gpu.py tests/gpu/test_fused_partials_gpu.py tests/gpu/test_route_gpu.py tests/gpu/test_mla_route_gpu.py tests/gpu/test_sparse_gpu.py tests/gpu/test_paged_mla_gpu.py 2>&1 | tee "$OUT/fused_tests.log" ;;
     fused_sweep) python3 benchmarks/bench_fused.py --only-sweep --json "$OUT/sweep_fused.json" 2>&1 | tee "$OUT/sweep_fused.log" ;;
     fused) python3 benchmarks/bench_fused.py --sweep --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
     fused_table) python3 benchmarks/bench_fused.py ${BENCH_ARGS:-} --json "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" ;;
@@ -55,7 +55,7 @@ for s in $steps; do
             python3 gpu/stages_probe.py 2>&1 | tee "$OUT/stages_probe.log" ;;
     gluon_mla) python3 gpu/gluon_mla_probe.py 2>&1 | tee "$OUT/gluon_mla_probe.log" ;;
     gluon_sweep) python3 gpu/gluon_mla_probe.py --sweep 2>&1 | tee "$OUT/gluon_sweep.log" ;;
-    breakdown) python3 gpu/breakdown_probe.py 2>&1 | tee "$OUT/breakdown_probe.log" ;;
+    breakdown) python3 gpu/breakdown_probe.py ${BREAKDOWN_ARGS:-} 2>&1 | tee "$OUT/breakdown_probe.log" ;;
     wgmma_tests) python3 -m pytest -q -ra tests/gpu/test_fused_wgmma_gpu.py 2>&1 | tee "$OUT/wgmma_tests.log" ;;
     wgmma_probe) python3 gpu/gluon_wgmma_probe.py --sweep 2>&1 | tee "$OUT/gluon_wgmma_probe.log" ;;
     gluon_pv) python3 gpu/gluon_pv_probe.py 2>&1 | tee "$OUT/gluon_pv_probe.log" ;;

@@ -69,7 +69,8 @@ from kvpatch.verify.fused_reference import fused_reference
 from tests.test_fused_cpu import case, load_fused
 
 fz = load_fused()
-cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_split=16)
+f16p = bool(int(sys.argv[2]))  # f16 partials (FUSED_F16_PARTIALS), the latent's scale in the combine
+cfg = dict(block_m=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1, min_split=16, f16_partials=f16p)
 
 
 def err(out, ref):
@@ -127,20 +128,23 @@ print("direct_err", err(outs[True][0][[0, 1, 4, 5]], ref3[[0, 1, 4, 5]]))
 print("direct_launches", outs[True][1], outs[False][1])
 print("direct_equal", int(torch.equal(outs[True][0], outs[False][0])))
 print("direct_empty_zero", int(bool((outs[True][0][2:4] == 0).all())))
+print("direct_partials", *sorted(str(b[0].dtype) for b in fz._fused_scratch.values()))
 """
 
 
-def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_mask():
+@pytest.mark.parametrize("f16_partials", [False, True])
+def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_mask(f16_partials):
     pytest.importorskip("triton", reason="Triton is not importable: the kernel's interpreter run needs it")
     np = pytest.importorskip("numpy", reason="the Triton interpreter needs numpy")
     if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 3):
         pytest.skip("Triton 3.6's interpreter fails on numpy >= 2.3 scalars; needs numpy < 2.3")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-W", "ignore", "-c", INTERPRET_SCRIPT, str(ROOT)], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    cmd = [sys.executable, "-W", "ignore", "-c", INTERPRET_SCRIPT, str(ROOT), str(int(f16_partials))]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [w for w in map(str.split, res.stdout.splitlines()) if w]
-    direct = {w[0]: [float(x) for x in w[1:]] for w in lines if w[0].startswith("direct_")}
+    direct = {w[0]: w[1:] if w[0] == "direct_partials" else [float(x) for x in w[1:]]
+              for w in lines if w[0].startswith("direct_")}
     errs = {(w[0], w[1] if len(w) == 3 else ""): float(w[-1]) for w in lines if not w[0].startswith("direct_")}
     assert errs[("indptr", "True")] < 1.5e-2 and errs[("indptr", "False")] < 1.5e-2, errs
     assert errs[("table", "")] < 1.5e-2, errs
@@ -150,6 +154,8 @@ def test_kernel_under_the_interpreter_matches_the_reference_and_sees_a_missing_m
     assert direct["direct_err"][0] < 1.5e-2, direct
     assert direct["direct_launches"] == [1.0, 2.0], direct  # one split: no combine launch
     assert direct["direct_equal"] == [1.0] and direct["direct_empty_zero"] == [1.0], direct
+    # the partials the combine read: f16 when asked (the table case's scale then applied by the combine)
+    assert direct["direct_partials"] == ["torch.float16" if f16_partials else "torch.float32"], direct
 
 
 def test_split_count_fills_one_wave_rounded_down_or_covers_it_rounded_up():
@@ -164,13 +170,14 @@ def test_split_count_fills_one_wave_rounded_down_or_covers_it_rounded_up():
 
 
 def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
-    """The runtime's Gluon split kernel, at each page size and scale setting, compiled for
+    """The runtime's Gluon split kernel, at each page size and scale setting (and with f16
+    partials, FUSED_F16_PARTIALS), compiled for
     sm_90a with no GPU (tools/fused_aot.py --gluon): its staged FP8 tiles convert to the MMA operand layouts
     with assert_trivial (a permutation that moved data between threads fails the build), and
     the budget the plan assumes holds: no spills, three CTAs an SM by registers and shared
     memory. (The numerics are GPU tests: tests/gpu/test_fused_gpu.py.)"""
     rows = _aot_compiled("--gluon")
-    assert len(rows) == 5, rows
+    assert len(rows) == 6 and sum(" part16:" in line for line, *_ in rows) == 1, rows
     for line, regs, spill, smem in rows:
         assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
 
@@ -214,11 +221,12 @@ def test_wgmma_split_kernel_compiles_for_sm90_in_its_shared_memory_budget(tmp_pa
     one CTA of 8 warps fits an SM by registers and shared memory. (Numerics: GPU tests,
     tests/gpu/test_fused_wgmma_gpu.py.)"""
     rows = _aot_compiled("--wgmma", tmp_path)
-    assert len(rows) == 5 and sum(" lean:" in line for line, *_ in rows) == 1, rows
+    assert len(rows) == 6 and sum(" lean:" in line for line, *_ in rows) == 1, rows
+    assert sum(" part16:" in line for line, *_ in rows) == 1, rows
     for line, regs, spill, smem in rows:
         assert spill == 0 and regs * 256 <= 65536 and smem <= 232448, line
     ptx = sorted(tmp_path.glob("wgmma_*.ptx"))
-    assert len(ptx) == 5
+    assert len(ptx) == 6
     for f in ptx:  # QK (m64n32k16: the warpgroups split the tile's 64 rows) and PV (m64n256k16)
         text = f.read_text()
         assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16" in text, f.name

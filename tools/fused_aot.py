@@ -23,9 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SM_REGS, SM_SMEM = 65536, 232448  # per SM on sm_90 (H100 / H200)
 TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", "lens": "*i32",
-         "part_o": "*fp16", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
-# --f16/--pv-asm/--v-early/--qk-acc/--direct (DIRECT: one split, the output written in place)
-FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False}
+         "part_o": "*fp32", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
+# --f16/--pv-asm/--v-early/--qk-acc/--direct/--part16 (DIRECT: one split, the output written in
+# place; PART16: f16 partials, FUSED_F16_PARTIALS; --gluon and --wgmma compile it both ways)
+FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False, "PART16": False}
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
 
 
@@ -36,6 +37,13 @@ def _fused():
     return load_template("_kvpatch_fused_aot")
 
 
+def _types(const):
+    """The argument types: part_o is the bf16 output at one split (DIRECT), else the partials."""
+    if const.get("DIRECT"):
+        return dict(TYPES, part_o="*bf16")
+    return dict(TYPES, part_o="*fp16") if const.get("PART16") else TYPES
+
+
 def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -44,8 +52,7 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=1, BY_INDPTR=True, CAUSAL=tq > 1, HAS_CKV_SCALE=False,
                  HAS_KPE_SCALE=False, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=False, **FLAGS)
     names = list(kernel.arg_names)
-    types = dict(TYPES, part_o="*bf16") if FLAGS["DIRECT"] else TYPES
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    sig = {n: "constexpr" if n in const else _types(const).get(n, "i32") for n in names}
     # What the launcher specialises on at run time: 16-byte aligned pointers and strides.
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
@@ -60,7 +67,7 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
 
 
-def compile_gluon(ps, by_indptr, scales, dump=None):
+def compile_gluon(ps, by_indptr, scales, dump=None, part16=False):
     """The runtime's Gluon split kernel (runtime part _fused_gluon) for sm_90a: registers,
     spills, shared memory. Its operand layout conversions are assert_trivial: a layout that
     would move data between threads fails here, not on a device."""
@@ -68,8 +75,8 @@ def compile_gluon(ps, by_indptr, scales, dump=None):
     kernel = rt._fused_gluon_build()
     tune = rt.FUSED_GLUON_TUNING
     const = dict(H=16, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, HAS_CKV_SCALE=scales, HAS_KPE_SCALE=scales,
-                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"])
-    tag = f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}"
+                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"], PART16=part16)
+    tag = f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}{'_p16' if part16 else ''}"
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
@@ -80,8 +87,7 @@ def _compile_gluon_kernel(kernel, const, num_warps, tag, dump):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     names = list(kernel.arg_names)
-    types = dict(TYPES, part_o="*bf16") if const.get("DIRECT") else TYPES  # the output itself
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    sig = {n: "constexpr" if n in const else _types(const).get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -99,16 +105,17 @@ def _dump(dump, tag, k):
         (Path(dump) / f"{tag}.ptx").write_text(k.asm["ptx"])
 
 
-def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None, lean=None):
+def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None, lean=None,
+                  part16=False):
     """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a."""
     rt = _fused()
     kernel = rt._fused_wgmma_build()
     tune = rt.FUSED_WGMMA_TUNING
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, CAUSAL=tq > 1, HAS_CKV_SCALE=scales,
                  HAS_KPE_SCALE=scales, BLOCK_N=block_n or tune["block_n"], STAGES=stages or tune["num_stages"],
-                 DIRECT=FLAGS["DIRECT"], LEAN=tune["lean"] if lean is None else lean)
+                 DIRECT=FLAGS["DIRECT"], LEAN=tune["lean"] if lean is None else lean, PART16=part16)
     tag = (f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const['STAGES']}{'_lean' if const['LEAN'] else ''}"
-           f"{'_direct' if const['DIRECT'] else ''}")
+           f"{'_direct' if const['DIRECT'] else ''}{'_p16' if part16 else ''}")
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
@@ -137,25 +144,29 @@ def main(argv=None):
     ap.add_argument("--gluon", action="store_true", help="the runtime's Gluon split kernel instead, every variant")
     ap.add_argument("--wgmma", action="store_true", help="the 64-row warpgroup-MMA kernel, every variant")
     args = ap.parse_args(argv)
-    if args.wgmma:
-        # The last: the LEAN variant (two barriers a step, not four; not the default)
-        for ps, by_indptr, scales, heads, tq, lean in ((1, True, False, 128, 1, None), (64, False, True, 128, 1, None),
-                                                       (1, True, False, 16, 4, None), (16, False, False, 16, 8, None),
-                                                       (1, True, False, 128, 1, True)):
-            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean)
-            print(f"wgmma heads {heads} tq {tq} page size {ps} {'kv_indptr' if by_indptr else 'page table'} "
-                  f"scales {scales}{' lean' if lean else ''}: {r['regs']} regs, {r['spill']} B spilled, "
-                  f"{r['smem']} B shared", flush=True)
-        return 0
-    if args.gluon:
-        for ps, by_indptr, scales in ((1, True, False), (16, True, False), (1, False, True), (16, False, False),
-                                      (64, False, True)):
-            r = compile_gluon(ps, by_indptr, scales, args.dump)
-            print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}: "
-                  f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
-        return 0
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))
+    if args.wgmma:
+        # The last two: the LEAN variant (two barriers a step, not four) and f16 partials (PART16),
+        # neither the default
+        for ps, by_indptr, scales, heads, tq, lean, p16 in (
+                (1, True, False, 128, 1, None, False), (64, False, True, 128, 1, None, False),
+                (1, True, False, 16, 4, None, False), (16, False, False, 16, 8, None, False),
+                (1, True, False, 128, 1, True, False), (64, False, True, 128, 1, None, True)):
+            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean, part16=p16)
+            print(f"wgmma heads {heads} tq {tq} page size {ps} {'kv_indptr' if by_indptr else 'page table'} "
+                  f"scales {scales}{' lean' if lean else ''}{' part16' if p16 else ''}: {r['regs']} regs, "
+                  f"{r['spill']} B spilled, {r['smem']} B shared", flush=True)
+        return 0
+    if args.gluon:
+        # The last: f16 partials (PART16, not the default)
+        for ps, by_indptr, scales, p16 in ((1, True, False, False), (16, True, False, False), (1, False, True, False),
+                                           (16, False, False, False), (64, False, True, False), (64, False, True, True)):
+            r = compile_gluon(ps, by_indptr, scales, args.dump, p16)
+            print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}"
+                  f"{' part16' if p16 else ''}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared",
+                  flush=True)
+        return 0
     try:
         kernel = _fused()._fused_build()[0]
     except TypeError:

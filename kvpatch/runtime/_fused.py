@@ -19,6 +19,7 @@ from kvpatch.runtime._fused_kernels import (
 from kvpatch.runtime._fused_gluon import _fused_gluon_choice
 from kvpatch.runtime._fused_wgmma import _fused_wgmma_choice
 from kvpatch.runtime._fused_scratch import (
+    FUSED_F16_PARTIALS,
     _fused_scale_key,
     _fused_scale_tensor,
     _fused_scratch_for,
@@ -293,11 +294,12 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     # A cached plan's ident stands for its constants in the launch key (a one-off config's
     # plan is not cached and has none: the launch keys on its constants).
     ident = _launch_ident("fused") if config is None else None
+    part16 = bool(cfg.get("f16_partials", FUSED_F16_PARTIALS))
     scratch = _fused_scratch_for(
-        kv2.device, 1 if direct else batch * m_rows * n_splits, d
+        kv2.device, 1 if direct else batch * m_rows * n_splits, d, part16
     )
     if gluon:
-        split_consts = gluon[3]
+        split_consts = gluon[3] + (("PART16", part16),)
     else:
         split_consts = tuple(
             dict(
@@ -318,6 +320,7 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
                 V_EARLY=int(cfg.get("v_early", 0)) if not interpret else 0,
                 QK_ACC=int(cfg.get("qk_acc", 1)),
                 DIRECT=direct,
+                PART16=part16,
                 num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
@@ -365,7 +368,7 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
                 BLOCK_N=cfg["block_n"],
                 SB=comb_sb,
                 DB=comb_db,
-                HAS_CKV_SCALE=has_ckv,
+                APPLY_CKV=has_ckv and part16,
                 num_warps=4,
             ).items()
         ),

@@ -28,7 +28,6 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_q3,
     _fg_qk_scale,
     _fg_range,
-    _fg_slots,
     _fg_v3,
     _fused_gluon_build_ops,
 )
@@ -169,6 +168,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         HAS_KPE_SCALE: gl.constexpr,
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
+        PART16: gl.constexpr,
     ):
         BN: gl.constexpr = BLOCK_N
         C: gl.constexpr = D // 4
@@ -350,7 +350,10 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
                 m_i = m_new
                 gl.thread_barrier()  # every warp past this buffer before a later step refills it
         async_copy.wait_group(0)
-        inv, lse = _fg_finish(m_i, l_i)  # the combine applies the latent's scale
+        if PART16:  # the combine applies the latent's scale
+            inv, lse = _fg_finish(m_i, l_i, 1.0)
+        else:
+            inv, lse = _fg_finish(m_i, l_i, ckv)
         hs = gl.arange(0, H, layout=gl.SliceLayout(1, s_l))
         gl.store(part_lse + (b * H + hs).to(gl.int64) * n_splits + s, lse)
         inv = gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, mma3)))

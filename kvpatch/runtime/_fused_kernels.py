@@ -17,7 +17,7 @@ from kvpatch.runtime._fused_ops import (  # globals once _fused_build_ops has ru
     _fused_build_ops,
     _fused_q,
     _fused_rows,
-    _fused_part,
+    _fused_store,
     _fused_vcvt,
     _fused_vraw,
     _fused_vrows,
@@ -104,6 +104,7 @@ def _fused_build():
         V_EARLY: tl.constexpr,
         QK_ACC: tl.constexpr,
         DIRECT: tl.constexpr,
+        PART16: tl.constexpr,
     ):
         # The latent (D = 4 x C) is handled in four column chunks, each its own operand
         # and accumulator: a whole [BLOCK_N, 512] bf16 tile as one dot operand pinned
@@ -286,9 +287,11 @@ def _fused_build():
             )
             m_i = m_new
         seen = l_i > 0.0
-        inv = 1.0 / tl.where(seen, l_i, 1.0)
+        if PART16:  # the latent's scale: the combine's, or DIRECT's below
+            inv = 1.0 / tl.where(seen, l_i, 1.0)
+        else:  # V is the latent: its scale scales the output
+            inv = ckv / tl.where(seen, l_i, 1.0)
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        ety = part_o.dtype.element_ty
         if DIRECT:
             # The combine of one split is o * 2^0 / 1: the same rounding, one launch fewer
             # (eager batches above the graph sizes: host time is the cost there).
@@ -298,17 +301,17 @@ def _fused_build():
                 + h[:, None] * stride_o_h
                 + c[None, :]
             )
-            post = ckv  # V is the latent: its scale scales the output
+            post = ckv
         else:
             prow = (b * TQ * H + m).to(tl.int64) * n_splits + s
             dst = part_o + prow[:, None] * D + c[None, :]
             tl.store(part_lse + prow, lse, mask=m_ok)
-            post = 1.0  # the combine applies the latent's scale
+            post = 1.0
         okm = m_ok[:, None]
-        tl.store(dst, _fused_part(acc0, inv, post).to(ety), mask=okm)
-        tl.store(dst + C, _fused_part(acc1, inv, post).to(ety), mask=okm)
-        tl.store(dst + 2 * C, _fused_part(acc2, inv, post).to(ety), mask=okm)
-        tl.store(dst + 3 * C, _fused_part(acc3, inv, post).to(ety), mask=okm)
+        _fused_store(dst, acc0, inv, post, okm, PART16)
+        _fused_store(dst + C, acc1, inv, post, okm, PART16)
+        _fused_store(dst + 2 * C, acc2, inv, post, okm, PART16)
+        _fused_store(dst + 3 * C, acc3, inv, post, okm, PART16)
 
     @triton.jit(do_not_specialize=["n_splits", "min_split"])
     def _fused_combine_kernel(
@@ -329,7 +332,7 @@ def _fused_build():
         BLOCK_N: tl.constexpr,
         SB: tl.constexpr,
         DB: tl.constexpr,
-        HAS_CKV_SCALE: tl.constexpr,
+        APPLY_CKV: tl.constexpr,
     ):
         # One program a (query row, DB-wide column block). The splits' partials are read
         # SB at a time as one tile, all loads in flight together. A loop of one split an
@@ -372,7 +375,7 @@ def _fused_build():
             l_run = l_run * alpha + tl.sum(w, 0)
             m_run = m_new
         res = acc / tl.where(l_run > 0.0, l_run, 1.0)
-        if HAS_CKV_SCALE:  # the partials leave it here (FUSED_PARTIAL_DTYPE)
+        if APPLY_CKV:  # f16 partials leave the latent's scale here (FUSED_F16_PARTIALS)
             res = res * tl.load(ckv_scale).to(tl.float32)
         dst = out + (b * TQ + t).to(tl.int64) * stride_o_t + h * stride_o_h + dn
         tl.store(dst, res.to(out.dtype.element_ty))

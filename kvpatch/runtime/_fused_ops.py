@@ -16,7 +16,7 @@ def _fused_build_ops(triton, tl):
     """Define the kernels' device functions as module globals: Triton resolves the names a
     kernel calls in the kernel's module, so they cannot stay local to a builder."""
     global _fused_rows, _fused_vrows, _fused_vraw, _fused_vcvt, _fused_q, _fused_amax
-    global _fused_part
+    global _fused_store
 
     @triton.jit
     def _fused_rows(
@@ -113,8 +113,13 @@ def _fused_build_ops(triton, tl):
         )
 
     @triton.jit
-    def _fused_part(acc, inv, post):
-        # A column block of a split's output, rounded to f16 as a partial is
-        # (FUSED_PARTIAL_DTYPE), then scaled by post: the latent's FP8 scale for a one-split
-        # launch, which so writes the bits split + combine would; 1 for a partial.
-        return (acc * inv[:, None]).to(tl.float16).to(tl.float32) * post
+    def _fused_store(dst, acc, inv, post, ok, PART16: tl.constexpr):
+        # A column block of a split's output (a partial, or the output at one split). f16
+        # partials (FUSED_F16_PARTIALS): rounded to f16 as a partial is, then scaled by post,
+        # the latent's FP8 scale for a one-split launch (which so writes the bits split +
+        # combine would), 1 for a partial. fp32 partials: the scale is in inv.
+        if PART16:
+            o = (acc * inv[:, None]).to(tl.float16).to(tl.float32) * post
+        else:
+            o = acc * inv[:, None]
+        tl.store(dst, o.to(dst.dtype.element_ty), mask=ok)
