@@ -3,6 +3,7 @@
     ncu --clock-control none -k regex:_fused_split --launch-skip 3 --launch-count 1 \
         python3 gpu/profile_fused.py '{"block_n": 32, "maxnreg": 168}'
     python3 gpu/profile_fused.py '{"wgmma": true}' 128     # 128 heads, the large bucket
+    python3 gpu/profile_fused.py '{"gluon": true}' 16      # the 16-row Gluon kernel (step profile_gluon)
 
 32 x 4k rows at 16 heads on a 495,552-slot pool (the issue-17 shape that sets the target);
 the JSON argument overrides the launch configuration of the bucket (small at 16 heads); a

@@ -70,6 +70,10 @@ for s in $steps; do
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                  --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
                  --print-details all python3 gpu/profile_fused.py '{"wgmma": true}' 128 2>&1 | tee "$OUT/profile_wgmma.log" ;;
+    profile_gluon) ncu --clock-control none -k regex:_fused_gluon_split --launch-skip 3 --launch-count 1 \
+                 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+                 --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
+                 --print-details all python3 gpu/profile_fused.py '{"gluon": true}' 16 2>&1 | tee "$OUT/profile_gluon.log" ;;
     profile_full) for c in '{}' '{"block_n": 32, "num_stages": 5}'; do
                ncu --clock-control none -k regex:_fused_split --launch-skip 3 --launch-count 1 --set full \
                  --print-details all python3 gpu/profile_fused.py "$c" 2>&1 | tee -a "$OUT/profile_full.log"; done ;;
