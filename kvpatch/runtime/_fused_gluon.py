@@ -350,10 +350,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
                 m_i = m_new
                 gl.thread_barrier()  # every warp past this buffer before a later step refills it
         async_copy.wait_group(0)
-        if PART16:  # the combine applies the latent's scale
-            inv, lse = _fg_finish(m_i, l_i, 1.0)
-        else:
-            inv, lse = _fg_finish(m_i, l_i, ckv)
+        inv, lse = _fg_finish(m_i, l_i, ckv, PART16)
         hs = gl.arange(0, H, layout=gl.SliceLayout(1, s_l))
         gl.store(part_lse + (b * H + hs).to(gl.int64) * n_splits + s, lse)
         inv = gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, mma3)))

@@ -98,12 +98,15 @@ def _fused_gluon_build_ops(gluon, gl):
         return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _fg_finish(m_i, l_i, ckv):
+    def _fg_finish(m_i, l_i, ckv, PART16: gl.constexpr):
         # The output's row factor, ckv / l (V is the latent: its scale scales the output;
-        # f16 partials pass 1 and leave it to the combine), and the split's log-sum-exp
-        # (base 2; -inf for a split that saw no row).
+        # f16 partials, PART16, leave it to the combine: 1 / l), and the split's
+        # log-sum-exp (base 2; -inf for a split that saw no row).
         seen = l_i > 0.0
-        inv = ckv / gl.where(seen, l_i, 1.0)
+        if PART16:
+            inv = 1.0 / gl.where(seen, l_i, 1.0)
+        else:
+            inv = ckv / gl.where(seen, l_i, 1.0)
         lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
         return inv, lse
 

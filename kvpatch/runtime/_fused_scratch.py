@@ -13,9 +13,8 @@ import torch
 # ---------------------------------------------------------------------------
 # Fused FP8 MLA attention: scratch and scales
 
-_fused_scratch = (
-    {}
-)  # (device, f16) -> the largest partial buffers (out, lse) made so far
+# (device, f16 partials) -> the largest partial buffers (out, lse) made so far
+_fused_scratch = {}
 # f16 partials (a config's "f16_partials" overrides): the splits' partial outputs are written
 # once and read once by the combine; at 16 heads x 8 x 4k they are 12.8 MB in fp32 for 18.9 MB
 # of FP8 rows read (gpu/breakdown_probe.py, GPU run 49), and half that in f16. They then leave
@@ -26,9 +25,10 @@ FUSED_F16_PARTIALS = False
 
 
 def _fused_scratch_for(device, rows, width, f16=False):
-    """Partial-result buffers for at least `rows` rows (f16 or fp32 outputs, fp32 log-sum-
-    exps). Grown, never per shape: eager mode sees a new batch size on many steps. A plan keeps the buffers it was made with, so a
-    graph captured with them stays valid when a later, larger plan grows the scratch."""
+    """Partial-result buffers for at least `rows` rows (f16 or fp32 outputs, fp32
+    log-sum-exps). Grown, never per shape: eager mode sees a new batch size on many steps.
+    A plan keeps the buffers it was made with, so a graph captured with them stays valid
+    when a later, larger plan grows the scratch."""
     key = (device, f16)
     bufs = _fused_scratch.get(key)
     if bufs is None or bufs[1].shape[0] < rows:

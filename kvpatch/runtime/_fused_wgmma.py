@@ -350,17 +350,13 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
                 gl.thread_barrier()  # both warpgroups past the f16 tile before it is rewritten
         async_copy.wait_group(0)
 
-        # An f16 partial leaves the latent's scale to the combine; one split (DIRECT) then
-        # rounds as a partial is and scales: the bits split + combine would write.
-        if PART16:
-            inv, lse = _fg_finish(m_i, l_i, 1.0)
-        else:
-            inv, lse = _fg_finish(m_i, l_i, ckv)
+        inv, lse = _fg_finish(m_i, l_i, ckv, PART16)
         inv = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
         o = acc * inv[:, None]
-        if PART16:
-            if DIRECT:
-                o = o.to(gl.float16).to(gl.float32) * ckv
+        if DIRECT and PART16:
+            # An f16 partial leaves the latent's scale to the combine; one split rounds as
+            # a partial is, then scales: the bits split + combine would write.
+            o = o.to(gl.float16).to(gl.float32) * ckv
         mo = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_l))
         mo_ok = mo < TQ * H
         co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
