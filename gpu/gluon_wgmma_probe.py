@@ -11,7 +11,7 @@ table at page size 64 with both FP8 scales, against the scaled reference, and a 
 kernel's launch tuning. Prints only; exit 1 if a check fails. Compile-only, no GPU:
 python tools/fused_aot.py --wgmma.
 
-    python gpu/gluon_wgmma_probe.py [--sweep]
+    python gpu/gluon_wgmma_probe.py [--sweep] [--ws]
 """
 
 from __future__ import annotations
@@ -42,10 +42,18 @@ SHAPES = ((128, 1, 4096, 1), (128, 8, 4096, 1), (128, 32, 4096, 1), (128, 64, 81
 # lean: two barriers a step instead of four (the tile's fence merged into the stage
 # barrier; the end-of-step barrier left to the next step's first): NOT RUN yet.
 SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 128, True)]
+# (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
+PATHS = (("triton", False, {}), ("wgmma", True, {}))
+WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_early", True, {"wg_ws": True, "wg_early": True}))
 
 
 def main(argv=None):
-    sweep = "--sweep" in (sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    sweep = "--sweep" in argv
+    # --ws: the loader-partition variant (runtime part _fused_wgmma_ws) beside the committed
+    # kernel, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
+    # ws_early: its next QK queued behind each PV.
+    paths = PATHS + (WS_PATHS if "--ws" in argv else ())
     setup = probe_setup("gluon_wgmma_probe")
     if setup is None:
         return 2
@@ -75,8 +83,8 @@ def main(argv=None):
         head = f"{heads}h {bs}x{ctx} tq={tq}"
         line = f"{head}: bf16 {bf16:7.1f} us | floor {b['rows'] * ROW / bw * 1e6:6.1f} us"
         res = {}
-        for name, wg in (("triton", False), ("wgmma", True)):
-            cfg = dict(rt.FUSED_TUNING["large"], wgmma=wg, gluon=False)
+        for name, wg, extra in paths:
+            cfg = dict(rt.FUSED_TUNING["large"], wgmma=wg, gluon=False, **extra)
 
             def run(perm=b["perm"], cfg=cfg):
                 rt.fused_mla(b["q_nope"], b["q_pe"], pool, out, SM_SCALE, kv_indptr=b["kv_indptr"], kv_indices=perm,
@@ -85,12 +93,16 @@ def main(argv=None):
 
             us, err, det, sab = probe_check(run, b, slots, ref, nq)
             kname = split_kernel_name(rt)
-            good = err < TOL and det and sab > TOL and (kname.startswith("_fused_wgmma") == wg)
+            good = (err < TOL and det and sab > TOL and kname.startswith("_fused_wgmma") == wg
+                    and ("_ws_" in kname) == bool(extra.get("wg_ws")))
             ok_all &= good
             res[name] = us
             line += (f" | {name} ({kname}) {us:7.1f} us ({us / bf16:.2f}x bf16) err {err:.1e} det {det} "
                      f"sabotage {sab:.1e} {'OK' if good else 'FAILED'}")
         line += f" | wgmma / triton {res['wgmma'] / res['triton']:.2f}x"
+        for name in ("ws", "ws_early"):
+            if name in res:
+                line += f" | {name} / wgmma {res[name] / res['wgmma']:.2f}x"
         print(line, flush=True)
         if sweep:
             for bn, stages, min_split, lean in SWEEP:
@@ -104,12 +116,12 @@ def main(argv=None):
                           f"({us / bf16:.2f}x bf16) err {e2:.1e}", flush=True)
                 except Exception as exc:  # a tuning that does not fit (shared memory): said
                     print(f"    {head} block_n {bn} stages {stages}: {type(exc).__name__}: {exc}"[:300], flush=True)
-    ok_all &= paged_scaled(rt, gen)
+    ok_all &= paged_scaled(rt, gen, paths=paths)
     print("gluon_wgmma_probe:", "all checks passed" if ok_all else "A CHECK FAILED", flush=True)
     return 0 if ok_all else 1
 
 
-def paged_scaled(rt, gen, heads=128, bs=6, ps=64, tq=1):
+def paged_scaled(rt, gen, heads=128, bs=6, ps=64, tq=1, paths=PATHS):
     """Page table at page size 64 with ragged lengths and both FP8 scales (tensors), and the
     same through 16 heads x 4 draft tokens (causal), against the scaled fp32 reference."""
     ok = True
@@ -130,16 +142,17 @@ def paged_scaled(rt, gen, heads=128, bs=6, ps=64, tq=1):
             return table[i, pos // ps].long() * ps + pos % ps
 
         ref = fused_reference(qn, qp, pool, SM_SCALE, rows_of, tq, tq > 1, 0.75, 1.5)
-        for name, wg in (("triton", False), ("wgmma", True)):
+        for name, wg, extra in paths:
             out = torch.empty((bs * tq, heads, 512), dtype=torch.bfloat16, device="cuda")
-            cfg = dict(rt.FUSED_TUNING["large"], wgmma=wg, gluon=False)
+            cfg = dict(rt.FUSED_TUNING["large"], wgmma=wg, gluon=False, **extra)
             for n_splits in (None, 1):
                 rt.fused_mla(qn, qp, pool, out, SM_SCALE, page_table=table, cache_seqlens=lens, page_size=ps,
                              q_per_request=tq, causal=tq > 1, ckv_scale=ckv, kpe_scale=kpe, n_splits=n_splits,
                              config=cfg)
                 err = vector_rel_err(out, ref)
                 kname = split_kernel_name(rt)
-                good = err < TOL and kname.startswith("_fused_wgmma") == wg
+                good = (err < TOL and kname.startswith("_fused_wgmma") == wg
+                        and ("_ws_" in kname) == bool(extra.get("wg_ws")))
                 ok &= good
                 print(f"paged {ps}, scales, {heads}h tq={tq} ragged lens, n_splits {n_splits}: {name} ({kname}) "
                       f"err {err:.1e} {'OK' if good else 'FAILED'}", flush=True)

@@ -26,7 +26,7 @@ TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", 
          "part_o": "*fp32", "part_lse": "*fp32", "ckv_scale": "*fp32", "kpe_scale": "*fp32", "sm_scale": "fp32"}
 # --f16/--pv-asm/--v-early/--qk-acc/--direct/--part16 (DIRECT: one split, the output written in
 # place; PART16: f16 partials, FUSED_F16_PARTIALS; --gluon and --wgmma compile it both ways)
-FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False, "PART16": False}
+FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False, "PART16": False, "EARLY": False}
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
 
 
@@ -106,15 +106,20 @@ def _dump(dump, tag, k):
 
 
 def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None, lean=None,
-                  part16=False):
-    """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a."""
+                  part16=False, ws=False):
+    """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a; ws: its
+    variant with a loader partition (runtime part _fused_wgmma_ws)."""
     rt = _fused()
-    kernel = rt._fused_wgmma_build()
+    kernel = rt._fused_wgmma_ws_build() if ws else rt._fused_wgmma_build()
     tune = rt.FUSED_WGMMA_TUNING
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, CAUSAL=tq > 1, HAS_CKV_SCALE=scales,
                  HAS_KPE_SCALE=scales, BLOCK_N=block_n or tune["block_n"], STAGES=stages or tune["num_stages"],
                  DIRECT=FLAGS["DIRECT"], LEAN=tune["lean"] if lean is None else lean, PART16=part16)
-    tag = (f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const['STAGES']}{'_lean' if const['LEAN'] else ''}"
+    if ws:
+        del const["STAGES"], const["LEAN"]
+        const.update(LOADER_REGS=rt.FUSED_WS_LOADER_REGS, EARLY=bool(FLAGS.get("EARLY")))
+    tag = (f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const.get('STAGES', 2)}"
+           f"{'_lean' if const.get('LEAN') else ''}{'_ws' if ws else ''}"
            f"{'_direct' if const['DIRECT'] else ''}{'_p16' if part16 else ''}")
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
@@ -143,6 +148,7 @@ def main(argv=None):
         ap.add_argument("--" + flag.lower().replace("_", "-"), type=int, default=int(FLAGS[flag]))
     ap.add_argument("--gluon", action="store_true", help="the runtime's Gluon split kernel instead, every variant")
     ap.add_argument("--wgmma", action="store_true", help="the 64-row warpgroup-MMA kernel, every variant")
+    ap.add_argument("--ws", action="store_true", help="with --wgmma: its variant with a loader partition")
     args = ap.parse_args(argv)
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))
@@ -153,8 +159,11 @@ def main(argv=None):
                 (1, True, False, 128, 1, None, False), (64, False, True, 128, 1, None, False),
                 (1, True, False, 16, 4, None, False), (16, False, False, 16, 8, None, False),
                 (1, True, False, 128, 1, True, False), (64, False, True, 128, 1, None, True)):
-            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean, part16=p16)
-            print(f"wgmma heads {heads} tq {tq} page size {ps} {'kv_indptr' if by_indptr else 'page table'} "
+            if args.ws and lean:
+                continue
+            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean, part16=p16, ws=args.ws)
+            print(f"wgmma{' ws' if args.ws else ''} heads {heads} tq {tq} page size {ps} "
+                  f"{'kv_indptr' if by_indptr else 'page table'} "
                   f"scales {scales}{' lean' if lean else ''}{' part16' if p16 else ''}: {r['regs']} regs, "
                   f"{r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0

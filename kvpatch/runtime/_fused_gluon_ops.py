@@ -1,7 +1,8 @@
 """A part of the kvpatch runtime: the device functions of the Gluon split kernels (issue 17):
 what both kernels share (a split's positions, q's power-of-two scale, the FP8 scales, the
-online softmax step and its finish), and the 16-row kernel's q operand and staged FP8 tiles
-read as its MMA operands. The kernels are the next parts, _fused_gluon and _fused_wgmma.
+online softmax step and its finish), the 64-row kernels' q in shared memory and their output,
+and the 16-row kernel's q operand and staged FP8 tiles read as its MMA operands. The kernels
+are the next parts, _fused_gluon, _fused_wgmma and _fused_wgmma_ws.
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); nothing
 above the "joined from here" line is kept.
@@ -19,6 +20,7 @@ def _fused_gluon_build_ops(gluon, gl):
     assert_trivial fails the build if any of them would move data between threads."""
     global _fg_perm, _fg_q3, _fg_k3, _fg_pe3, _fg_v3, _fused_gluon_ops_built
     global _fg_range, _fg_slots, _fg_qk_scale, _fg_kv_scales, _fg_online, _fg_finish
+    global _fg_q64, _fg_out64
     if _fused_gluon_ops_built:
         return
     _fused_gluon_ops_built = True
@@ -109,6 +111,59 @@ def _fused_gluon_build_ops(gluon, gl):
             inv = ckv / gl.where(seen, l_i, 1.0)
         lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
         return inv, lse
+
+    @gluon.jit
+    def _fg_q64(q_nope, q_pe, b, g, sq, sm_scale, TQ, H, D, DPE, mma_sl):
+        # The 64 query rows m = (token, head) of group g, scaled into f16's range by a power
+        # of two (exact), stored once in the NVMMA layout wgmma reads as its A operand:
+        # (q, its rope part, the scores' scale). sq: q_nope's and q_pe's strides.
+        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        HALF: gl.constexpr = D // 2
+        mq = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, q_l))
+        mq_ok = (mq < TQ * H)[:, None]
+        qrow = (b * TQ + mq // H).to(gl.int64)
+        qn_rows = (q_nope + qrow * sq[0] + (mq % H) * sq[1])[:, None]
+        qp_rows = (q_pe + qrow * sq[2] + (mq % H) * sq[3])[:, None]
+        cq = gl.arange(0, HALF, layout=gl.SliceLayout(0, q_l))[None, :]
+        cqp = gl.arange(0, DPE, layout=gl.SliceLayout(0, q_l))[None, :]
+        # (each use converts to fp32 itself: the 64-row kernel's instructions as they ran)
+        qa = gl.load(qn_rows + cq, mask=mq_ok, other=0.0)
+        qb = gl.load(qn_rows + HALF + cq, mask=mq_ok, other=0.0)
+        qr = gl.load(qp_rows + cqp, mask=mq_ok, other=0.0)
+        amax = gl.maximum(
+            gl.maximum(
+                gl.max(gl.max(gl.abs(qa.to(gl.float32)), 1), 0),
+                gl.max(gl.max(gl.abs(qb.to(gl.float32)), 1), 0),
+            ),
+            gl.max(gl.max(gl.abs(qr.to(gl.float32)), 1), 0),
+        )
+        q_mul, qk_scale = _fg_qk_scale(amax, sm_scale)
+        q_s = gl.allocate_shared_memory(gl.float16, [64, D], mma_sl)
+        qpe_s = gl.allocate_shared_memory(gl.float16, [64, DPE], mma_sl)
+        q_s.slice(0, HALF, 1).store((qa.to(gl.float32) * q_mul).to(gl.float16))
+        q_s.slice(HALF, HALF, 1).store((qb.to(gl.float32) * q_mul).to(gl.float16))
+        qpe_s.store((qr.to(gl.float32) * q_mul).to(gl.float16))
+        return q_s, qpe_s, qk_scale
+
+    @gluon.jit
+    def _fg_out64(
+        o, lse, part_o, part_lse, b, s, g, so, n_splits, TQ, H, D, DIRECT, s_l, o_l
+    ):
+        # A 64-row group's output: the output rows themselves (one split, DIRECT), else
+        # this split's partial rows and log-sum-exps. so: the output's strides.
+        mo = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
+        mo_ok = (mo < TQ * H)[:, None]
+        co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))[None, :]
+        o = o.to(part_o.dtype.element_ty)
+        if DIRECT:
+            orow = (b * TQ + mo // H).to(gl.int64) * so[0] + (mo % H) * so[1]
+            gl.store(part_o + orow[:, None] + co, o, mask=mo_ok)
+        else:
+            prow = (b * TQ * H + mo).to(gl.int64) * n_splits + s
+            gl.store(part_o + prow[:, None] * D + co, o, mask=mo_ok)
+            ms = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
+            ps = (b * TQ * H + ms).to(gl.int64) * n_splits + s
+            gl.store(part_lse + ps, lse, mask=ms < TQ * H)
 
     @gluon.jit
     def _fg_perm(k):

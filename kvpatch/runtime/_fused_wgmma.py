@@ -25,12 +25,14 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_finish,
     _fg_kv_scales,
     _fg_online,
-    _fg_qk_scale,
+    _fg_out64,
+    _fg_q64,
     _fg_range,
     _fg_slots,
     _fused_gluon_build_ops,
 )
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
+from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_ws_build
 
 # -- joined from here --
 
@@ -41,7 +43,8 @@ from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
 # Its launch constants (GPU runs 47-48, H100): 64 positions a step (32 took 1.2-1.6x the
 # time), one FP8 stage (two within 2%), one CTA an SM (184 KB of shared memory). A config's
 # "wg_<key>" overrides one (gpu/gluon_wgmma_probe.py's sweep). lean: two barriers a step,
-# not four (NOT RUN on a GPU yet).
+# not four. ws: the loads and conversions in a warp partition (_fused_wgmma_ws), early: its
+# next QK issued behind each PV (both NOT RUN).
 FUSED_WGMMA_TUNING = {
     "block_n": 64,
     "num_stages": 1,
@@ -49,6 +52,8 @@ FUSED_WGMMA_TUNING = {
     "ctas_per_sm": 1,
     "min_split": 128,
     "lean": False,
+    "ws": False,
+    "early": False,
 }
 # Query rows a CTA holds: the kernel's layouts are two warpgroups of 4 x 16 rows (its BM).
 FUSED_WGMMA_ROWS = 64
@@ -69,12 +74,20 @@ def _fused_wgmma_choice(geometry, consts):
         return None
     if not cfg.get("wgmma", FUSED_WGMMA_DEFAULT) or not _fused_gluon_device(device):
         return None
-    kernel = _fused_wgmma_build()
+    cfg = dict(cfg, **FUSED_WGMMA_TUNING)
+    for k in (
+        "block_n",
+        "num_stages",
+        "ctas_per_sm",
+        "min_split",
+        "lean",
+        "ws",
+        "early",
+    ):
+        cfg[k] = cfg.get("wg_" + k, cfg[k])
+    kernel = _fused_wgmma_ws_build() if cfg["ws"] else _fused_wgmma_build()
     if not kernel:
         return None
-    cfg = dict(cfg, **FUSED_WGMMA_TUNING)
-    for k in ("block_n", "num_stages", "ctas_per_sm", "min_split", "lean"):
-        cfg[k] = cfg.get("wg_" + k, cfg[k])
     groups = -(-m_rows // FUSED_WGMMA_ROWS)
     if n_splits is None:
         sms = _fused_sm_count(device) * cfg["ctas_per_sm"]
@@ -96,6 +109,9 @@ def _fused_wgmma_choice(geometry, consts):
         LEAN=cfg["lean"],
         num_warps=cfg["num_warps"],
     )
+    if cfg["ws"]:  # a ring of two tiles, its own barriers
+        del launch["STAGES"], launch["LEAN"]
+        launch.update(LOADER_REGS=FUSED_WS_LOADER_REGS, EARLY=cfg["early"])
     return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
 
 
@@ -219,7 +235,6 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
         cpe_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])
         Q4: gl.constexpr = D // 4
         cv_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
-        q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
 
         g = gl.program_id(2)
         b, s, base, kv_len, lo, hi = _fg_range(
@@ -228,33 +243,11 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
         if not DIRECT and lo >= hi:
             return  # the combine skips an idle split
 
-        # q: rows m = (token, head) of this group, scaled into f16's range by a power of two
-        # (exact), stored once in the NVMMA layout wgmma reads as its A operand.
-        mq = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, q_l))
-        mq_ok = mq < TQ * H
-        qrow = (b * TQ + mq // H).to(gl.int64)
-        qn_rows = q_nope + qrow * stride_qn_t + (mq % H) * stride_qn_h
-        qp_rows = q_pe + qrow * stride_qp_t + (mq % H) * stride_qp_h
-        cq = gl.arange(0, HALF, layout=gl.SliceLayout(0, q_l))
-        cqp = gl.arange(0, DPE, layout=gl.SliceLayout(0, q_l))
-        qa = gl.load(qn_rows[:, None] + cq[None, :], mask=mq_ok[:, None], other=0.0)
-        qb = gl.load(
-            qn_rows[:, None] + HALF + cq[None, :], mask=mq_ok[:, None], other=0.0
+        # q, scaled into f16's range by a power of two, in shared memory for wgmma.
+        sq = (stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h)
+        q_s, qpe_s, qk_scale = _fg_q64(
+            q_nope, q_pe, b, g, sq, sm_scale, TQ, H, D, DPE, mma_sl
         )
-        qr = gl.load(qp_rows[:, None] + cqp[None, :], mask=mq_ok[:, None], other=0.0)
-        amax = gl.maximum(
-            gl.maximum(
-                gl.max(gl.max(gl.abs(qa.to(gl.float32)), 1), 0),
-                gl.max(gl.max(gl.abs(qb.to(gl.float32)), 1), 0),
-            ),
-            gl.max(gl.max(gl.abs(qr.to(gl.float32)), 1), 0),
-        )
-        q_mul, qk_scale = _fg_qk_scale(amax, sm_scale)
-        q_s = gl.allocate_shared_memory(gl.float16, [BM, D], mma_sl)
-        qpe_s = gl.allocate_shared_memory(gl.float16, [BM, DPE], mma_sl)
-        q_s.slice(0, HALF, 1).store((qa.to(gl.float32) * q_mul).to(gl.float16))
-        q_s.slice(HALF, HALF, 1).store((qb.to(gl.float32) * q_mul).to(gl.float16))
-        qpe_s.store((qr.to(gl.float32) * q_mul).to(gl.float16))
         ckv, kpe = _fg_kv_scales(ckv_scale, kpe_scale, HAS_CKV_SCALE, HAS_KPE_SCALE)
 
         # KV: FP8 stages (cp.async), and the f16 tile both MMAs read.
@@ -357,25 +350,9 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
             # An f16 partial leaves the latent's scale to the combine; one split rounds as
             # a partial is, then scales: the bits split + combine would write.
             o = o.to(gl.float16).to(gl.float32) * ckv
-        mo = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_l))
-        mo_ok = mo < TQ * H
-        co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-        if DIRECT:
-            orow = (b * TQ + mo // H).to(gl.int64) * stride_o_t + (mo % H) * stride_o_h
-            gl.store(
-                part_o + orow[:, None] + co[None, :],
-                o.to(part_o.dtype.element_ty),
-                mask=mo_ok[:, None],
-            )
-        else:
-            prow = (b * TQ * H + mo).to(gl.int64) * n_splits + s
-            gl.store(
-                part_o + prow[:, None] * D + co[None, :],
-                o.to(part_o.dtype.element_ty),
-                mask=mo_ok[:, None],
-            )
-            ms = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
-            ps = (b * TQ * H + ms).to(gl.int64) * n_splits + s
-            gl.store(part_lse + ps, lse, mask=ms < TQ * H)
+        so = (stride_o_t, stride_o_h)
+        _fg_out64(
+            o, lse, part_o, part_lse, b, s, g, so, n_splits, TQ, H, D, DIRECT, s_l, o_l
+        )
 
     return _fused_wgmma_split_kernel
