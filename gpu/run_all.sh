@@ -61,8 +61,9 @@ for s in $steps; do
     wgmma_probe) python3 gpu/gluon_wgmma_probe.py --sweep 2>&1 | tee "$OUT/gluon_wgmma_probe.log" ;;
     # the loader-partition kernel: a wrong mbarrier phase hangs rather than fails
     # (then the steps after it leave its tests out: a hang would take the rest of the call)
-    ws_probe) timeout -k 10 300 python3 gpu/gluon_wgmma_probe.py --ws > "$OUT/ws_probe.log" 2>&1
-              [ $? -ge 124 ] && touch /tmp/kvpatch_ws_hung && echo "ws_probe: TIMED OUT (a hang)";
+    ws_probe) timeout -k 10 300 python3 gpu/gluon_wgmma_probe.py --ws > "$OUT/ws_probe.log" 2>&1; r=$?
+              [ $r -eq 0 ] && touch /tmp/kvpatch_ws_ok
+              [ $r -ge 124 ] && touch /tmp/kvpatch_ws_hung && echo "ws_probe: TIMED OUT (a hang)";
               cat "$OUT/ws_probe.log" ;;
     gluon_pv) python3 gpu/gluon_pv_probe.py 2>&1 | tee "$OUT/gluon_pv_probe.log" ;;
     splits) python3 gpu/split_count_probe.py 2>&1 | tee "$OUT/split_count.log" ;;
