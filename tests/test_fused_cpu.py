@@ -182,12 +182,12 @@ def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
         assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
 
 
-def _aot_compiled(flag, dump=None):
-    """tools/fused_aot.py FLAG's report, a (line, registers, spilled bytes, shared bytes) a
-    compiled variant (the lines that start with FLAG's kernel name)."""
+def _aot_compiled(flag, dump=None, more=()):
+    """tools/fused_aot.py FLAG's report (MORE: further options), a (line, registers, spilled
+    bytes, shared bytes) a compiled variant (the lines that start with FLAG's kernel name)."""
     pytest.importorskip("triton", reason="Triton is not importable: the ahead-of-time compile needs it")
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon (3.5 and later)")
-    cmd = [sys.executable, str(ROOT / "tools" / "fused_aot.py"), flag] + (["--dump", str(dump)] if dump else [])
+    cmd = [sys.executable, str(ROOT / "tools" / "fused_aot.py"), flag, *more] + (["--dump", str(dump)] if dump else [])
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     return [(line, *(int(x) for x in re.findall(r"(\d+) (?:regs|B spilled|B shared)", line)))
@@ -231,6 +231,57 @@ def test_wgmma_split_kernel_compiles_for_sm90_in_its_shared_memory_budget(tmp_pa
         text = f.read_text()
         assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16" in text, f.name
         assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text, f.name
+
+
+def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partitions(tmp_path):
+    """The 64-row kernel with a loader warp partition (runtime part _fused_wgmma_ws), and its
+    early-QK form, compiled for sm_90a with no GPU: the 8 MMA warps and the 4 loader warps
+    share the SM's 65,536 registers (setmaxnreg: 224 and FUSED_WS_LOADER_REGS), nothing
+    spills, q and the ring of two f16 tiles fit the 232,448 bytes of shared memory, and the
+    slots are handed over by mbarriers. early queues the next QK behind PV (a wait for all
+    but two groups). (Numerics: GPU tests, tests/gpu/test_fused_wgmma_gpu.py.)"""
+    fz = load_fused()
+    for flags, early in ((["--ws"], False), (["--ws", "--early"], True)):
+        dump = tmp_path / ("early" if early else "ws")
+        rows = _aot_compiled("--wgmma", dump, flags)
+        assert len(rows) == 5 and all(line.startswith("wgmma ws") for line, *_ in rows), rows
+        for line, regs, spill, smem in rows:
+            assert spill == 0 and regs * 384 <= 65536 and smem <= 232448, line
+        ptx = sorted(dump.glob("wgmma_*_ws*.ptx"))
+        assert len(ptx) == 5
+        for f in ptx:
+            text = f.read_text()
+            loader = fz.FUSED_WS_LOADER_REGS
+            assert f"setmaxnreg.inc.sync.aligned.u32 \t{loader};" in text, f.name
+            mma = re.findall(r"setmaxnreg.dec.sync.aligned.u32 \t(\d+);", text)
+            assert any(int(r) * 256 + loader * 128 <= 65536 and int(r) >= 224 for r in mma), (f.name, mma)
+            assert "mbarrier.try_wait.parity" in text and "mbarrier.arrive" in text, f.name
+            assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text, f.name
+            assert ("wgmma.wait_group.sync.aligned 2;" in text) == early, f.name
+
+
+def test_wgmma_loader_variant_only_where_a_config_asks(monkeypatch):
+    """wg_ws builds and launches the loader-partition kernel, with its own constants (no FP8
+    stages or lean barriers: a ring of two tiles); without it, the committed kernel."""
+    pytest.importorskip("triton", reason="Triton is not importable: the Gluon build needs it")
+    fz = load_fused()
+    dev = torch.device("cuda", 0)
+    consts = (1, True, False, False, False, 128, 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: "committed")
+    monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: "loader")
+    monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
+    for cfg, want in (({"wgmma": True}, "committed"), ({"wgmma": True, "wg_ws": True}, "loader"),
+                      ({"wgmma": True, "wg_ws": True, "wg_early": True}, "loader")):
+        kernel, _, _, launch, rows = fz._fused_wgmma_choice((128, 512, 64, True, False, dev, cfg, None, 8), consts)
+        launch = dict(launch)
+        assert kernel == want and rows == 64, cfg
+        if want == "loader":
+            assert "STAGES" not in launch and "LEAN" not in launch
+            assert launch["LOADER_REGS"] == fz.FUSED_WS_LOADER_REGS
+            assert launch["EARLY"] is bool(cfg.get("wg_early"))
+        else:
+            assert "LOADER_REGS" not in launch and "EARLY" not in launch and launch["STAGES"] >= 1
 
 
 def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_run_on(monkeypatch):

@@ -118,6 +118,21 @@ def _fused_gluon_lang():
     return gluon, gl
 
 
+def _fused_hopper_lang():
+    """(gluon, gl, async_copy, fence_async_shared, mbarrier, warpgroup_mma,
+    warpgroup_mma_wait) for the 64-row kernels, their device functions built, else None."""
+    lang = _fused_gluon_lang()
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper
+    except Exception:
+        lang = None
+    if lang is None:
+        return None
+    _fused_gluon_build_ops(*lang)
+    ops = ("async_copy", "fence_async_shared", "mbarrier", "warpgroup_mma")
+    return lang + tuple(getattr(hopper, n) for n in ops + ("warpgroup_mma_wait",))
+
+
 def _fused_gluon_build():
     global _fused_gluon
     if _fused_gluon is not None:

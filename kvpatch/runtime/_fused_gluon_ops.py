@@ -154,13 +154,18 @@ def _fused_gluon_build_ops(gluon, gl):
         mo = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
         mo_ok = (mo < TQ * H)[:, None]
         co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))[None, :]
-        o = o.to(part_o.dtype.element_ty)
         if DIRECT:
             orow = (b * TQ + mo // H).to(gl.int64) * so[0] + (mo % H) * so[1]
-            gl.store(part_o + orow[:, None] + co, o, mask=mo_ok)
+            gl.store(
+                part_o + orow[:, None] + co, o.to(part_o.dtype.element_ty), mask=mo_ok
+            )
         else:
             prow = (b * TQ * H + mo).to(gl.int64) * n_splits + s
-            gl.store(part_o + prow[:, None] * D + co, o, mask=mo_ok)
+            gl.store(
+                part_o + prow[:, None] * D + co,
+                o.to(part_o.dtype.element_ty),
+                mask=mo_ok,
+            )
             ms = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
             ps = (b * TQ * H + ms).to(gl.int64) * n_splits + s
             gl.store(part_lse + ps, lse, mask=ms < TQ * H)

@@ -20,7 +20,7 @@ Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there)
 imports above the "joined from here" line only let this part read alone.
 """
 
-from kvpatch.runtime._fused_gluon import _fused_gluon_device, _fused_gluon_lang
+from kvpatch.runtime._fused_gluon import _fused_gluon_device, _fused_hopper_lang
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
     _fg_finish,
     _fg_kv_scales,
@@ -29,7 +29,6 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_q64,
     _fg_range,
     _fg_slots,
-    _fused_gluon_build_ops,
 )
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
 from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_ws_build
@@ -117,29 +116,13 @@ def _fused_wgmma_choice(geometry, consts):
 
 def _fused_wgmma_build():
     global _fused_wgmma
-    if _fused_wgmma is not None:
-        return _fused_wgmma
-    lang = _fused_gluon_lang()
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import (
-            async_copy,
-            fence_async_shared,
-            warpgroup_mma,
-            warpgroup_mma_wait,
-        )
-    except Exception:
-        lang = None
-    if lang is None:
-        _fused_wgmma = False
-        return _fused_wgmma
-    _fused_gluon_build_ops(*lang)
-    _fused_wgmma = _fw_kernel(
-        *lang, async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-    )
+    if _fused_wgmma is None:
+        lang = _fused_hopper_lang()
+        _fused_wgmma = _fw_kernel(*lang) if lang else False
     return _fused_wgmma
 
 
-def _fw_kernel(gluon, gl, async_copy, fence_async_shared, wgmma, wgmma_wait):
+def _fw_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmma_wait):
     # A kernel's callees are resolved among its module's globals.
     global _fw_copy, _fw_convert
 

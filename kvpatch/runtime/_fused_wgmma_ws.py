@@ -19,7 +19,7 @@ Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there)
 imports above the "joined from here" line only let this part read alone.
 """
 
-from kvpatch.runtime._fused_gluon import _fused_gluon_lang
+from kvpatch.runtime._fused_gluon import _fused_hopper_lang
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
     _fg_finish,
     _fg_kv_scales,
@@ -28,7 +28,6 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_q64,
     _fg_range,
     _fg_slots,
-    _fused_gluon_build_ops,
 )
 
 # -- joined from here --
@@ -37,39 +36,18 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
 # ---------------------------------------------------------------------------
 # Fused FP8 MLA attention: the 64-row kernel with a loader partition (Gluon)
 
-# Registers of the loader's 4 warps (setmaxnreg): the MMA warps get what is left of the
-# SM's 65,536 (the 64-row kernel needs about 240 of them a thread).
+# Registers a thread of the loader's 4 warps (setmaxnreg): the 8 MMA warps get what is left
+# of 168 a thread over the CTA's 384, 224 at 56. tools/fused_aot.py: no spills at 56; at 40
+# and 48 the loader spills.
 FUSED_WS_LOADER_REGS = 56
 _fused_wgmma_ws = None  # the kernel, built on first use; False: no Gluon here
 
 
 def _fused_wgmma_ws_build():
     global _fused_wgmma_ws
-    if _fused_wgmma_ws is not None:
-        return _fused_wgmma_ws
-    lang = _fused_gluon_lang()
-    try:
-        from triton.experimental.gluon.language.nvidia.hopper import (
-            async_copy,
-            fence_async_shared,
-            mbarrier,
-            warpgroup_mma,
-            warpgroup_mma_wait,
-        )
-    except Exception:
-        lang = None
-    if lang is None:
-        _fused_wgmma_ws = False
-        return _fused_wgmma_ws
-    _fused_gluon_build_ops(*lang)
-    _fused_wgmma_ws = _fws_kernel(
-        *lang,
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    if _fused_wgmma_ws is None:
+        lang = _fused_hopper_lang()
+        _fused_wgmma_ws = _fws_kernel(*lang) if lang else False
     return _fused_wgmma_ws
 
 
