@@ -44,7 +44,8 @@ SHAPES = ((128, 1, 4096, 1), (128, 8, 4096, 1), (128, 32, 4096, 1), (128, 64, 81
 SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 128, True)]
 # (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
 PATHS = (("triton", False, {}), ("wgmma", True, {}))
-WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_early", True, {"wg_ws": True, "wg_early": True}))
+WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_early", True, {"wg_ws": True, "wg_early": True}),
+            ("ws_stream", True, {"wg_ws": True, "wg_stream": True}))
 
 
 def main(argv=None):
@@ -52,7 +53,8 @@ def main(argv=None):
     sweep = "--sweep" in argv
     # --ws: the loader-partition variant (runtime part _fused_wgmma_ws) beside the committed
     # kernel, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
-    # ws_early: its next QK queued behind each PV.
+    # ws_early: its next QK queued behind each PV; ws_stream: each block converted as its
+    # copy lands.
     paths = PATHS + (WS_PATHS if "--ws" in argv else ())
     setup = probe_setup("gluon_wgmma_probe")
     if setup is None:
@@ -100,7 +102,7 @@ def main(argv=None):
             line += (f" | {name} ({kname}) {us:7.1f} us ({us / bf16:.2f}x bf16) err {err:.1e} det {det} "
                      f"sabotage {sab:.1e} {'OK' if good else 'FAILED'}")
         line += f" | wgmma / triton {res['wgmma'] / res['triton']:.2f}x"
-        for name in ("ws", "ws_early"):
+        for name, *_ in WS_PATHS:
             if name in res:
                 line += f" | {name} / wgmma {res[name] / res['wgmma']:.2f}x"
         print(line, flush=True)

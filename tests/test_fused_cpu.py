@@ -239,10 +239,12 @@ def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partiti
     share the SM's 65,536 registers (setmaxnreg: 224 and FUSED_WS_LOADER_REGS), nothing
     spills, q and the ring of two f16 tiles fit the 232,448 bytes of shared memory, and the
     slots are handed over by mbarriers. early queues the next QK behind PV (a wait for all
-    but two groups). (Numerics: GPU tests, tests/gpu/test_fused_wgmma_gpu.py.)"""
+    but two groups); stream waits for each block's copy on its own. (Numerics: GPU tests,
+    tests/gpu/test_fused_wgmma_gpu.py.)"""
     fz = load_fused()
-    for flags, early in ((["--ws"], False), (["--ws", "--early"], True)):
-        dump = tmp_path / ("early" if early else "ws")
+    for flags, early, stream in ((["--ws"], False, False), (["--ws", "--early"], True, False),
+                                 (["--ws", "--stream"], False, True)):
+        dump = tmp_path / "-".join(flags)
         rows = _aot_compiled("--wgmma", dump, flags)
         assert len(rows) == 5 and all(line.startswith("wgmma ws") for line, *_ in rows), rows
         for line, regs, spill, smem in rows:
@@ -258,6 +260,8 @@ def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partiti
             assert "mbarrier.try_wait.parity" in text and "mbarrier.arrive" in text, f.name
             assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text, f.name
             assert ("wgmma.wait_group.sync.aligned 2;" in text) == early, f.name
+            # stream: a cp.async group a block, the first block's wait leaving 8 in flight
+            assert ("cp.async.wait_group \t8;" in text) == stream, f.name
 
 
 def test_wgmma_loader_variant_only_where_a_config_asks(monkeypatch):
@@ -272,7 +276,8 @@ def test_wgmma_loader_variant_only_where_a_config_asks(monkeypatch):
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: "loader")
     monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
     for cfg, want in (({"wgmma": True}, "committed"), ({"wgmma": True, "wg_ws": True}, "loader"),
-                      ({"wgmma": True, "wg_ws": True, "wg_early": True}, "loader")):
+                      ({"wgmma": True, "wg_ws": True, "wg_early": True}, "loader"),
+                      ({"wgmma": True, "wg_ws": True, "wg_stream": True}, "loader")):
         kernel, _, _, launch, rows = fz._fused_wgmma_choice((128, 512, 64, True, False, dev, cfg, None, 8), consts)
         launch = dict(launch)
         assert kernel == want and rows == 64, cfg
@@ -280,8 +285,9 @@ def test_wgmma_loader_variant_only_where_a_config_asks(monkeypatch):
             assert "STAGES" not in launch and "LEAN" not in launch
             assert launch["LOADER_REGS"] == fz.FUSED_WS_LOADER_REGS
             assert launch["EARLY"] is bool(cfg.get("wg_early"))
+            assert launch["STREAM"] is bool(cfg.get("wg_stream"))
         else:
-            assert "LOADER_REGS" not in launch and "EARLY" not in launch and launch["STAGES"] >= 1
+            assert not {"LOADER_REGS", "EARLY", "STREAM"} & set(launch) and launch["STAGES"] >= 1
 
 
 def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_run_on(monkeypatch):

@@ -43,7 +43,7 @@ from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_w
 # time), one FP8 stage (two within 2%), one CTA an SM (184 KB of shared memory). A config's
 # "wg_<key>" overrides one (gpu/gluon_wgmma_probe.py's sweep). lean: two barriers a step,
 # not four. ws: the loads and conversions in a warp partition (_fused_wgmma_ws), early: its
-# next QK issued behind each PV (both NOT RUN).
+# next QK issued behind each PV, stream: each block converted as its copy lands (NOT RUN).
 FUSED_WGMMA_TUNING = {
     "block_n": 64,
     "num_stages": 1,
@@ -53,6 +53,7 @@ FUSED_WGMMA_TUNING = {
     "lean": False,
     "ws": False,
     "early": False,
+    "stream": False,
 }
 # Query rows a CTA holds: the kernel's layouts are two warpgroups of 4 x 16 rows (its BM).
 FUSED_WGMMA_ROWS = 64
@@ -82,6 +83,7 @@ def _fused_wgmma_choice(geometry, consts):
         "lean",
         "ws",
         "early",
+        "stream",
     ):
         cfg[k] = cfg.get("wg_" + k, cfg[k])
     kernel = _fused_wgmma_ws_build() if cfg["ws"] else _fused_wgmma_build()
@@ -110,7 +112,9 @@ def _fused_wgmma_choice(geometry, consts):
     )
     if cfg["ws"]:  # a ring of two tiles, its own barriers
         del launch["STAGES"], launch["LEAN"]
-        launch.update(LOADER_REGS=FUSED_WS_LOADER_REGS, EARLY=cfg["early"])
+        launch.update(
+            LOADER_REGS=FUSED_WS_LOADER_REGS, EARLY=cfg["early"], STREAM=cfg["stream"]
+        )
     return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
 
 

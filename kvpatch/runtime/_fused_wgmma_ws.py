@@ -56,22 +56,30 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
     global _fws_convert, _fws_load, _fws_mma, _fws_qk, _fws_scores
 
     @gluon.jit
-    def _fws_convert(ring_b, pe_b, D: gl.constexpr, BN: gl.constexpr):
+    def _fws_convert(
+        ring_b, pe_b, D: gl.constexpr, BN: gl.constexpr, STREAM: gl.constexpr
+    ):
         # The staged FP8 block u (bytes 32 + 4u KB of the slot) -> f16 columns 64u.. (bytes
         # 8u KB). Blocks 0-3 overwrite no staged byte; 4-5 overwrite blocks 0-3, read before
         # the first barrier; 6-7 overwrite blocks 4-7, all read before the second. The rope
         # is staged in the upper half of its own f16 tile, read before the second barrier.
+        # STREAM: each block's copy is a cp.async group of its own, waited for just before
+        # the block is converted (the rest still landing).
         cv_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         st = ring_b._reinterpret(gl.float8e4nv, [2 * D // 64, BN, 64], plain)
         st_pe = pe_b._reinterpret(gl.float8e4nv, [2, BN, 64], plain).index(1)
-        for u in gl.static_range(4):
+        for u in gl.static_range(6):
+            if u == 4:
+                gl.thread_barrier()
+            if STREAM:  # groups of blocks u+1 .. 7 and the rope may still be in flight
+                async_copy.wait_group(8 - u)
+                gl.thread_barrier()
             x = st.index(8 + u).load(cv_l)
             ring_b.slice(64 * u, 64, 1).store(x.to(gl.float16))
-        gl.thread_barrier()
-        for u in gl.static_range(4, 6):
-            x = st.index(8 + u).load(cv_l)
-            ring_b.slice(64 * u, 64, 1).store(x.to(gl.float16))
+        if STREAM:
+            async_copy.wait_group(0)
+            gl.thread_barrier()
         x6 = st.index(14).load(cv_l)
         x7 = st.index(15).load(cv_l)
         xpe = st_pe.load(cv_l)
@@ -97,6 +105,7 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         PS: gl.constexpr,
         D: gl.constexpr,
         BN: gl.constexpr,
+        STREAM: gl.constexpr,
     ):
         cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -115,14 +124,17 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
                 async_copy.async_copy_global_to_shared(
                     st.index(D // 64 + u), rows + 64 * u, mask=ok
                 )
+                if STREAM:
+                    async_copy.commit_group()
             st_pe = ring_pe.index(b)._reinterpret(gl.float8e4nv, [2, BN, 64], plain)
             async_copy.async_copy_global_to_shared(st_pe.index(1), rows + D, mask=ok)
             async_copy.commit_group()
             ok_s.index(b).store((slot >= 0).to(gl.int32))
             slot = _fg_slots(table, base, lo + (t + 1) * BN, hi, n_slots, PS, r)
-            async_copy.wait_group(0)
-            gl.thread_barrier()  # every loader thread's bytes staged
-            _fws_convert(ring.index(b), ring_pe.index(b), D, BN)
+            if not STREAM:
+                async_copy.wait_group(0)
+                gl.thread_barrier()  # every loader thread's bytes staged
+            _fws_convert(ring.index(b), ring_pe.index(b), D, BN, STREAM)
             fence_async_shared()  # the generic stores, before wgmma's async reads
             mbarrier.arrive(ready.index(b), count=1)
 
@@ -251,6 +263,7 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         DIRECT: gl.constexpr,
         LOADER_REGS: gl.constexpr,
         EARLY: gl.constexpr,
+        STREAM: gl.constexpr,
         PART16: gl.constexpr,
     ):
         gl.static_assert(D == 512 and DPE == 64 and BLOCK_N == 64)
@@ -339,6 +352,7 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
                         PS,
                         D,
                         BN,
+                        STREAM,
                     ),
                 ),
             ],

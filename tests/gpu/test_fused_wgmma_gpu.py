@@ -43,10 +43,11 @@ if torch.cuda.get_device_capability() not in RT.FUSED_GLUON_CAPABILITY:
 
 
 # Each test runs on the committed kernel and on its loader-partition variant (runtime part
-# _fused_wgmma_ws, off by default), with and without the next QK issued early: the same
-# checks, the same rows.
+# _fused_wgmma_ws, off by default), as it is, with the next QK issued early and with each
+# block converted as its copy lands: the same checks, the same rows.
 KERNELS = {"wgmma": "_fused_wgmma_split_kernel", "wgmma_loader": "_fused_wgmma_ws_split_kernel",
-           "wgmma_loader_early": "_fused_wgmma_ws_split_kernel"}
+           "wgmma_loader_early": "_fused_wgmma_ws_split_kernel",
+           "wgmma_loader_stream": "_fused_wgmma_ws_split_kernel"}
 
 
 @pytest.fixture(params=sorted(KERNELS))
@@ -57,7 +58,7 @@ def kernel(request):
 def cfg(wgmma=True, lean=False, kernel="wgmma"):
     # lean: the variant with two barriers a step (not the default yet)
     return dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=wgmma, wg_lean=lean, wg_ws=kernel != "wgmma",
-                wg_early=kernel.endswith("early"))
+                wg_early=kernel.endswith("early"), wg_stream=kernel.endswith("stream"))
 
 
 @pytest.mark.parametrize("heads,tq,ps,scales,lean", [(128, 1, 1, False, False), (128, 1, 64, True, False),
