@@ -120,7 +120,7 @@ def _fused_gluon_lang():
 
 def _fused_hopper_lang():
     """(gluon, gl, async_copy, fence_async_shared, mbarrier, warpgroup_mma,
-    warpgroup_mma_wait) for the 64-row kernels, their device functions built, else None."""
+    warpgroup_mma_wait) for the 64-row kernels, device functions built; or None."""
     lang = _fused_gluon_lang()
     try:
         from triton.experimental.gluon.language.nvidia import hopper
