@@ -75,7 +75,7 @@ def _fused_wgmma_choice(geometry, consts):
     if not cfg.get("wgmma", FUSED_WGMMA_DEFAULT) or not _fused_gluon_device(device):
         return None
     cfg = dict(cfg, **FUSED_WGMMA_TUNING)
-    for k in FUSED_WGMMA_TUNING.keys() - {"num_warps"}:  # the layouts are 8 warps'
+    for k in FUSED_WGMMA_TUNING.keys() - {"num_warps"}:  # the layouts are 8 warps
         cfg[k] = cfg.get("wg_" + k, cfg[k])
     kernel = _fused_wgmma_ws_build() if cfg["ws"] else _fused_wgmma_build()
     if not kernel:
