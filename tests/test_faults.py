@@ -131,7 +131,7 @@ def after_kill(root: Path, before: tuple, after: tuple, where: str) -> str:
         assert run("status", "--json", root).exit_code != 4
         return state
     got = whole(root)
-    assert got == before or _shape(got) in (_shape(before), _shape(after)), (where, state)
+    assert got == before or _shape(got) in (_shape(before), _shape(after)), (where, state, _differ(got, after))
     if _scratch(got[0]):  # killed outside its journal's lifetime: recover clears the rest
         assert run("recover", root).exit_code == 0
         cleared = whole(root)
@@ -179,6 +179,14 @@ def _clear_git_locks(root: Path, where: str) -> None:
     assert r.exit_code == 2 and named and whole(root) == held, (where, [str(p) for p in locks], r.output)
     for p in locks:
         p.unlink()
+
+
+def _differ(got: tuple, ref: tuple) -> dict:
+    """What a checkout holds that differs from a finished run's (the paths only): a failed
+    kill test names the file, not a truncated dict of the whole tree."""
+    (g, gg), (r, rg) = _shape(got), _shape(ref)
+    return {"only here": sorted(set(g) - set(r)), "missing": sorted(set(r) - set(g)),
+            "other bytes": sorted(k for k in set(g) & set(r) if g[k] != r[k]), "git": gg == rg}
 
 
 def _shape(w: tuple) -> tuple:
