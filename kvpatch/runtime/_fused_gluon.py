@@ -129,8 +129,13 @@ def _fused_hopper_lang():
     if lang is None:
         return None
     _fused_gluon_build_ops(*lang)
-    ops = ("async_copy", "fence_async_shared", "mbarrier", "warpgroup_mma")
-    return lang + tuple(getattr(hopper, n) for n in ops + ("warpgroup_mma_wait",))
+    return lang + (
+        hopper.async_copy,
+        hopper.fence_async_shared,
+        hopper.mbarrier,
+        hopper.warpgroup_mma,
+        hopper.warpgroup_mma_wait,
+    )
 
 
 def _fused_gluon_build():

@@ -147,10 +147,34 @@ def _fused_gluon_build_ops(gluon, gl):
 
     @gluon.jit
     def _fg_out64(
-        o, lse, part_o, part_lse, b, s, g, so, n_splits, TQ, H, D, DIRECT, s_l, o_l
+        acc,
+        m_i,
+        l_i,
+        ckv,
+        part_o,
+        part_lse,
+        b,
+        s,
+        g,
+        so,
+        n_splits,
+        TQ,
+        H,
+        D,
+        DIRECT,
+        PART16,
+        s_l,
+        o_l,
     ):
-        # A 64-row group's output: the output rows themselves (one split, DIRECT), else
+        # A 64-row group's finish: the output rows themselves (one split, DIRECT), else
         # this split's partial rows and log-sum-exps. so: the output's strides.
+        inv, lse = _fg_finish(m_i, l_i, ckv, PART16)
+        inv = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
+        o = acc * inv[:, None]
+        if DIRECT and PART16:
+            # An f16 partial leaves the latent's scale to the combine; one split rounds as
+            # a partial is, then scales: the bits split + combine would write.
+            o = o.to(gl.float16).to(gl.float32) * ckv
         mo = g * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_l))
         mo_ok = (mo < TQ * H)[:, None]
         co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))[None, :]

@@ -22,7 +22,6 @@ imports above the "joined from here" line only let this part read alone.
 
 from kvpatch.runtime._fused_gluon import _fused_gluon_device, _fused_hopper_lang
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
-    _fg_finish,
     _fg_kv_scales,
     _fg_online,
     _fg_out64,
@@ -321,16 +320,26 @@ def _fw_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmma
                 gl.thread_barrier()  # both warpgroups past the f16 tile before it is rewritten
         async_copy.wait_group(0)
 
-        inv, lse = _fg_finish(m_i, l_i, ckv, PART16)
-        inv = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
-        o = acc * inv[:, None]
-        if DIRECT and PART16:
-            # An f16 partial leaves the latent's scale to the combine; one split rounds as
-            # a partial is, then scales: the bits split + combine would write.
-            o = o.to(gl.float16).to(gl.float32) * ckv
         so = (stride_o_t, stride_o_h)
         _fg_out64(
-            o, lse, part_o, part_lse, b, s, g, so, n_splits, TQ, H, D, DIRECT, s_l, o_l
+            acc,
+            m_i,
+            l_i,
+            ckv,
+            part_o,
+            part_lse,
+            b,
+            s,
+            g,
+            so,
+            n_splits,
+            TQ,
+            H,
+            D,
+            DIRECT,
+            PART16,
+            s_l,
+            o_l,
         )
 
     return _fused_wgmma_split_kernel

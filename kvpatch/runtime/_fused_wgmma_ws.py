@@ -21,7 +21,6 @@ imports above the "joined from here" line only let this part read alone.
 
 from kvpatch.runtime._fused_gluon import _fused_hopper_lang
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
-    _fg_finish,
     _fg_kv_scales,
     _fg_online,
     _fg_out64,
@@ -360,15 +359,26 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
             [LOADER_REGS],
         )
 
-        inv, lse = _fg_finish(m_i, l_i, ckv, PART16)
-        inv = gl.convert_layout(inv, gl.SliceLayout(1, o_l))
-        o = acc * inv[:, None]
-        if DIRECT and PART16:
-            # As the 64-row kernel: one split rounds as a partial is, then scales.
-            o = o.to(gl.float16).to(gl.float32) * ckv
         so = (stride_o_t, stride_o_h)
         _fg_out64(
-            o, lse, part_o, part_lse, b, s, g, so, n_splits, TQ, H, D, DIRECT, s_l, o_l
+            acc,
+            m_i,
+            l_i,
+            ckv,
+            part_o,
+            part_lse,
+            b,
+            s,
+            g,
+            so,
+            n_splits,
+            TQ,
+            H,
+            D,
+            DIRECT,
+            PART16,
+            s_l,
+            o_l,
         )
 
     return _fused_wgmma_ws_split_kernel
