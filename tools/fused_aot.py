@@ -109,7 +109,8 @@ def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=N
                   part16=False, ws=False, early=False, stream=False):
     """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a; ws: its
     variant with a loader partition (runtime part _fused_wgmma_ws), early: that variant's
-    next QK queued behind each PV."""
+    next QK queued behind each PV, stream: each block converted as its copy lands. The
+    constants mirror _fused_wgmma_choice's launch (no GPU here to ask it for them)."""
     rt = _fused()
     kernel = rt._fused_wgmma_ws_build() if ws else rt._fused_wgmma_build()
     tune = rt.FUSED_WGMMA_TUNING
