@@ -44,6 +44,7 @@ SM_SCALE = 1.0 / math.sqrt(192)
 
 CASES_16 = [(1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192)]
 CASES_8 = [(8, 4096), (32, 4096)]  # 8 heads a rank (TP16, or 64-head models at TP8)
+CASES_64 = [(8, 4096), (32, 4096)]  # 64 heads a rank (DeepSeek at TP2)
 CASES_128 = [(8, 4096), (32, 4096)]
 CASES_VERIFY = [(8, 4096, 4), (32, 4096, 4), (8, 4096, 8), (32, 4096, 8)]
 # The host-time call of an eager-sized batch: one split a request, so one launch.
@@ -404,6 +405,7 @@ def main(argv=None):
     cap = tuple(torch.cuda.get_device_capability())
     rows = []
     shapes = ([(16, bs, ctx, 1) for bs, ctx in CASES_16] + [(8, bs, ctx, 1) for bs, ctx in CASES_8]
+              + [(64, bs, ctx, 1) for bs, ctx in CASES_64]
               + [(128, bs, ctx, 1) for bs, ctx in CASES_128]
               + [(16, bs, ctx, tq) for bs, ctx, tq in CASES_VERIFY])
     for heads, bs, ctx, tq in shapes:

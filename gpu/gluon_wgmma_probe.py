@@ -43,8 +43,9 @@ SHAPES = ((128, 1, 4096, 1), (128, 8, 4096, 1), (128, 32, 4096, 1), (128, 64, 81
 # barrier; the end-of-step barrier left to the next step's first): NOT RUN yet.
 SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 128, True)]
 # (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
-PATHS = (("triton", False, {}), ("wgmma", True, {}))
-WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_early", True, {"wg_ws": True, "wg_early": True}),
+PATHS = (("triton", False, {}), ("wgmma", True, {"wg_ws": False}))
+WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_up", True, {"wg_ws": True, "wg_splits": "up"}),
+            ("ws_early", True, {"wg_ws": True, "wg_early": True}),
             ("ws_stream", True, {"wg_ws": True, "wg_stream": True}))
 
 
@@ -108,7 +109,7 @@ def main(argv=None):
         print(line, flush=True)
         if sweep:
             for bn, stages, min_split, lean in SWEEP:
-                cfg = dict(rt.FUSED_TUNING["large"], wgmma=True, gluon=False, wg_block_n=bn,
+                cfg = dict(rt.FUSED_TUNING["large"], wgmma=True, gluon=False, wg_ws=False, wg_block_n=bn,
                            wg_num_stages=stages, wg_min_split=min_split, wg_lean=lean)
                 try:
                     us = graph_ms(lambda: run(cfg=cfg)) * 1e3

@@ -1,6 +1,6 @@
 """Copy the GPU payload with one runtime setting flipped, to verify a variant on the real trees.
 
-    python gpu/payload_variant.py .gpu_payload .gpu_payload_ws '    "ws": False,' '    "ws": True,'
+    python gpu/payload_variant.py .gpu_payload .gpu_payload_ws '    "ws": True,' '    "ws": False,'
 
 Every injected ``_kvpatch_runtime.py`` under SRC must hold the line OLD exactly once; it
 becomes NEW in the copy under DEST (DEST is replaced). Anything else fails, so a renamed or

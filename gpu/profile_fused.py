@@ -31,6 +31,6 @@ b = batch(pool.shape[0], 32, 4096, heads, 1, gen)
 out = torch.empty((32, heads, 512), dtype=torch.bfloat16, device="cuda")
 for _ in range(5):
     fz.fused_mla(b["q_nope"], b["q_pe"], pool, out, 1.0 / math.sqrt(192), kv_indptr=b["kv_indptr"],
-                 kv_indices=b["perm"], config=dict(fz.FUSED_TUNING[bucket], gluon=False, **cfg))
+                 kv_indices=b["perm"], config={**fz.FUSED_TUNING[bucket], "gluon": False, **cfg})
 torch.cuda.synchronize()
 print("profiled", cfg)

@@ -81,7 +81,7 @@ for s in $steps; do
     profile_ws) timeout -k 10 240 ncu --clock-control none -k regex:_fused_wgmma_ws --launch-skip 3 --launch-count 1 \
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
                  --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
-                 --print-details all python3 gpu/profile_fused.py '{"wgmma": true, "wg_ws": true}' 128 2>&1 \
+                 --print-details all python3 gpu/profile_fused.py '{"wgmma": true}' 128 2>&1 \
                  | tee "$OUT/profile_ws.log" ;;
     profile_gluon) ncu --clock-control none -k regex:_fused_gluon_split --launch-skip 3 --launch-count 1 \
                  --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \

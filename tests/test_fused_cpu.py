@@ -264,9 +264,10 @@ def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partiti
             assert ("cp.async.wait_group \t8;" in text) == stream, f.name
 
 
-def test_wgmma_loader_variant_only_where_a_config_asks(monkeypatch):
-    """wg_ws builds and launches the loader-partition kernel, with its own constants (no FP8
-    stages or lean barriers: a ring of two tiles); without it, the committed kernel."""
+def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_fails(monkeypatch):
+    """The loader-partition kernel serves by default, with its own constants (no FP8 stages
+    or lean barriers: a ring of two tiles); "wg_ws": False, or a loader kernel that does not
+    build, gets the plain 64-row kernel."""
     pytest.importorskip("triton", reason="Triton is not importable: the Gluon build needs it")
     fz = load_fused()
     dev = torch.device("cuda", 0)
@@ -275,9 +276,11 @@ def test_wgmma_loader_variant_only_where_a_config_asks(monkeypatch):
     monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: "committed")
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: "loader")
     monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
-    for cfg, want in (({"wgmma": True}, "committed"), ({"wgmma": True, "wg_ws": True}, "loader"),
+    for cfg, want in (({"wgmma": True}, "loader"), ({"wgmma": True, "wg_ws": False}, "committed"),
                       ({"wgmma": True, "wg_ws": True, "wg_early": True}, "loader"),
-                      ({"wgmma": True, "wg_ws": True, "wg_stream": True}, "loader")):
+                      ({"wgmma": True, "wg_ws": True, "wg_stream": True}, "loader"),
+                      ({"wgmma": True, "loader_fails": True}, "committed")):
+        monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda c=cfg: not c.get("loader_fails") and "loader")
         kernel, _, _, launch, rows = fz._fused_wgmma_choice((128, 512, 64, True, False, dev, cfg, None, 8), consts)
         launch = dict(launch)
         assert kernel == want and rows == 64, cfg
@@ -288,6 +291,18 @@ def test_wgmma_loader_variant_only_where_a_config_asks(monkeypatch):
             assert launch["STREAM"] is bool(cfg.get("wg_stream"))
         else:
             assert not {"LOADER_REGS", "EARLY", "STREAM"} & set(launch) and launch["STAGES"] >= 1
+
+
+def test_wgmma_split_count_fills_the_last_wave():
+    """"fill": the fewest splits whose grid fills its last wave of CTAs 90%, not the
+    rounded-up count that ran 1.45 waves at 128 heads x 32 x 4k (GPU run 50)."""
+    fz = load_fused()
+    for programs, fill, up in ((64, 2, 3), (16, 8, 9), (8, 15, 17), (32, 4, 5), (70, 7, 2), (132, 1, 1),
+                               (2, 60, 64), (1, 64, 64), (0, 64, 64)):
+        assert fz._fused_wgmma_splits(132, programs, "fill") == fill, programs
+        assert fz._fused_wgmma_splits(132, programs, "up") == up, programs
+        ctas = max(1, programs) * fill
+        assert ctas / (132 * -(-ctas // 132)) >= fz.FUSED_WGMMA_FILL or fill == 64
 
 
 def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_run_on(monkeypatch):
@@ -301,6 +316,7 @@ def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_ru
     consts = (1, True, False, False, False, 128, 1)
     built = []
     monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: built.append(1) or False)
+    monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: built.append(1) or False)
     for rows, cfg, cap, expect_build in ((128, {"wgmma": True}, (9, 0), True), (32, {"wgmma": True}, (9, 0), False),
                                          (128, {"wgmma": True}, (8, 0), False), (128, {"wgmma": True}, (10, 0), False),
                                          (128, {}, (9, 0), fz.FUSED_WGMMA_DEFAULT)):
@@ -315,20 +331,23 @@ def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_ru
     fz._fused_wgmma = None
 
 
-def test_auto_takes_the_64_row_kernel_only_for_the_shape_measured_faster(monkeypatch):
-    """auto: the fused path for at most 16 query rows a request, and for 16 heads x 4 draft
-    tokens while the 64-row kernel is on and builds (GPU run 48: faster than the gather at
-    both batches); 128 rows a request, 64 heads x 1 (never timed) and unmeasured GPUs gather."""
+def test_auto_takes_the_64_row_kernel_only_for_the_shapes_measured_faster(monkeypatch):
+    """auto: the fused path for at most 16 query rows a request, and for the shapes the
+    loader-partition 64-row kernel was measured faster than the gather at every batch, while
+    it is on and builds; shapes never timed (32 heads x 2, 16 x 6) and unmeasured GPUs gather."""
     fz = load_fused()
-    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: True)
+    monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: True)
     monkeypatch.setattr(fz, "FUSED_WGMMA_DEFAULT", True)
     h100 = (9, 0)
-    for heads, tq, want in ((16, 1, True), (8, 2, True), (16, 4, True), (16, 8, False), (128, 1, False),
-                            (64, 1, False), (32, 2, False)):
+    for heads, tq, want in ((16, 1, True), (8, 2, True), (16, 4, True), (16, 8, True), (128, 1, True),
+                            (64, 1, True), (32, 2, False), (16, 6, False)):
         assert fz._fused_auto(h100, heads, tq) is want, (heads, tq)
     assert not fz._fused_auto((10, 0), 16, 4) and not fz._fused_auto((10, 0), 16, 1)
-    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: False)  # another Triton: no 64-row kernel
-    assert not fz._fused_auto(h100, 16, 4) and fz._fused_auto(h100, 16, 1)
-    monkeypatch.setattr(fz, "_fused_wgmma_build", lambda: True)
+    monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: False)  # another Triton: no loader kernel
+    assert not fz._fused_auto(h100, 128, 1) and fz._fused_auto(h100, 16, 1)
+    monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: True)
+    monkeypatch.setitem(fz.FUSED_WGMMA_TUNING, "ws", False)  # the plain kernel: slower than the gather
+    assert not fz._fused_auto(h100, 128, 1)
+    monkeypatch.setitem(fz.FUSED_WGMMA_TUNING, "ws", True)
     monkeypatch.setattr(fz, "FUSED_WGMMA_DEFAULT", False)
     assert not fz._fused_auto(h100, 16, 4)

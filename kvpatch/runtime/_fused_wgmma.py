@@ -41,8 +41,10 @@ from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_w
 # Its launch constants (GPU runs 47-48, H100): 64 positions a step (32 took 1.2-1.6x the
 # time), one FP8 stage (two within 2%), one CTA an SM (184 KB of shared memory). A config's
 # "wg_<key>" overrides one (gpu/gluon_wgmma_probe.py's sweep). lean: two barriers a step,
-# not four. ws: the loads and conversions in a warp partition (_fused_wgmma_ws), early: its
-# next QK issued behind each PV, stream: each block converted as its copy lands (NOT RUN).
+# not four. ws: the loads and conversions in a warp partition (_fused_wgmma_ws), on since
+# GPU run 50 (H100): 0.63-0.78x this kernel's time from 8 x 4k at 128 heads, its tests and
+# verify on the real trees passed. early: its next QK issued behind each PV (1.08-1.14x ws's
+# time), stream: each block converted as its copy lands (0.98-1.02x ws's): both off.
 FUSED_WGMMA_TUNING = {
     "block_n": 64,
     "num_stages": 1,
@@ -50,10 +52,16 @@ FUSED_WGMMA_TUNING = {
     "ctas_per_sm": 1,
     "min_split": 128,
     "lean": False,
-    "ws": False,
+    "ws": True,
     "early": False,
     "stream": False,
+    "splits": "fill",
 }
+# "fill": the fewest splits whose grid fills its last wave of CTAs at least this much. ncu
+# (GPU run 50) found the rounded-up count ("up") leaving SMs idle: 128 heads x 32 x 4k ran
+# 3 splits, 192 CTAs on 132 SMs (1.45 waves; 2 splits are 128, one wave), and 8 x 4k ran
+# 9 splits, 144 CTAs (8 are 128).
+FUSED_WGMMA_FILL = 0.9
 # Query rows a CTA holds: the kernel's layouts are two warpgroups of 4 x 16 rows (its BM).
 FUSED_WGMMA_ROWS = 64
 _fused_wgmma = None  # the kernel, built on first use; False: no Gluon here
@@ -76,13 +84,17 @@ def _fused_wgmma_choice(geometry, consts):
     cfg = dict(cfg, **FUSED_WGMMA_TUNING)
     for k in FUSED_WGMMA_TUNING.keys() - {"num_warps"}:  # the layouts are 8 warps
         cfg[k] = cfg.get("wg_" + k, cfg[k])
-    kernel = _fused_wgmma_ws_build() if cfg["ws"] else _fused_wgmma_build()
+    kernel = cfg["ws"] and _fused_wgmma_ws_build()
+    # The loader kernel off or not built (another Triton): the one without it.
+    if not kernel:
+        kernel = _fused_wgmma_build()
+        cfg["ws"] = False
     if not kernel:
         return None
     groups = -(-m_rows // FUSED_WGMMA_ROWS)
     if n_splits is None:
         sms = _fused_sm_count(device) * cfg["ctas_per_sm"]
-        n_splits = _fused_split_count(sms, batch * groups, False)
+        n_splits = _fused_wgmma_splits(sms, batch * groups, cfg["splits"])
     page_size, by_indptr, causal, has_ckv, has_kpe, heads, tq = consts
     launch = dict(
         H=heads,
@@ -106,6 +118,24 @@ def _fused_wgmma_choice(geometry, consts):
             LOADER_REGS=FUSED_WS_LOADER_REGS, EARLY=cfg["early"], STREAM=cfg["stream"]
         )
     return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
+
+
+def _fused_wgmma_splits(slots, programs, how):
+    """Splits a request gets, for `programs` CTAs a split on `slots` CTA slots (the lengths
+    stay on the device). "up": the grid at least one wave (the 16-row kernels' rule);
+    "fill": the fewest splits (at most 64) whose last wave is FUSED_WGMMA_FILL full, else
+    the count that fills it best."""
+    if how == "up":
+        return _fused_split_count(slots, programs, False)
+    programs, best, fill = max(1, programs), 1, 0.0
+    for n in range(1, 65):
+        ctas = programs * n
+        f = ctas / (slots * -(-ctas // slots))
+        if f >= FUSED_WGMMA_FILL:
+            return n
+        if f > fill:
+            best, fill = n, f
+    return best
 
 
 def _fused_wgmma_build():

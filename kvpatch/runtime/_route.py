@@ -20,7 +20,8 @@ from kvpatch.runtime._modes import (
 from kvpatch.runtime._dispatch import _shadow
 from kvpatch.runtime._pages import page_cast
 from kvpatch.runtime._fused import fused_mla
-from kvpatch.runtime._fused_wgmma import FUSED_WGMMA_DEFAULT, _fused_wgmma_build
+from kvpatch.runtime._fused_wgmma import FUSED_WGMMA_DEFAULT, FUSED_WGMMA_TUNING
+from kvpatch.runtime._fused_wgmma_ws import _fused_wgmma_ws_build
 
 # -- joined from here --
 
@@ -39,10 +40,9 @@ from kvpatch.runtime._fused_wgmma import FUSED_WGMMA_DEFAULT, _fused_wgmma_build
 # A GPU not listed is not measured: auto gathers there.
 FUSED_AUTO_ROWS = {(9, 0): 16}
 # And the (heads, query tokens) shapes the 64-row kernel (runtime part _fused_wgmma) serves
-# where it was measured faster than the gather at every batch it printed (GPU run 48, H100:
-# 16 heads x 4 draft tokens, 41.7 and 141.2 us against 54.3 and 170.2 for the gather at
-# 8 and 32 x 4k). 128 rows a request (128 heads, or 16 x 8) it lost at 32 x 4k: gathered.
-FUSED_AUTO_WGMMA = {(9, 0): ((16, 4),)}
+# where it was measured faster than the gather at every batch it printed (GPU run 51, H100,
+# with the loader partition: PENDING).
+FUSED_AUTO_WGMMA = {(9, 0): ((16, 4), (16, 8), (64, 1), (128, 1))}
 
 # FA3's flash_attn_with_kvcache: arguments the fused path reads (values checked below) and
 # arguments that only steer the original kernel's scheduling. Any other argument with a
@@ -306,12 +306,13 @@ def _fused_auto(cap, heads, tq):
     """Whether auto sends a call of `heads` x `tq` query rows a request to the fused path on `cap`."""
     if heads * tq <= FUSED_AUTO_ROWS.get(cap, 0):
         return True
-    # Where the 64-row kernel cannot build (another Triton), the Triton kernel would serve:
-    # slower there than the gather.
+    # The shapes were measured on the loader-partition kernel: where it is off or cannot build
+    # (another Triton), a slower kernel would serve, slower there than the gather.
     return (
         FUSED_WGMMA_DEFAULT
+        and FUSED_WGMMA_TUNING["ws"]
         and (heads, tq) in FUSED_AUTO_WGMMA.get(cap, ())
-        and bool(_fused_wgmma_build())
+        and bool(_fused_wgmma_ws_build())
     )
 
 
