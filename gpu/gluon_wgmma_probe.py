@@ -44,18 +44,15 @@ SHAPES = ((128, 1, 4096, 1), (128, 8, 4096, 1), (128, 32, 4096, 1), (128, 64, 81
 SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 128, True)]
 # (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
 PATHS = (("triton", False, {}), ("wgmma", True, {"wg_ws": False}))
-WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_up", True, {"wg_ws": True, "wg_splits": "up"}),
-            ("ws_early", True, {"wg_ws": True, "wg_early": True}),
-            ("ws_stream", True, {"wg_ws": True, "wg_stream": True}))
+WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_up", True, {"wg_ws": True, "wg_splits": "up"}))
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     sweep = "--sweep" in argv
-    # --ws: the loader-partition variant (runtime part _fused_wgmma_ws) beside the committed
-    # kernel, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
-    # ws_early: its next QK queued behind each PV; ws_stream: each block converted as its
-    # copy lands.
+    # --ws: the loader-partition kernel (runtime part _fused_wgmma_ws, the default) beside the
+    # plain one, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
+    # ws_up: its split count rounded up (the count before runtime 13), for the A/B.
     paths = PATHS + (WS_PATHS if "--ws" in argv else ())
     setup = probe_setup("gluon_wgmma_probe")
     if setup is None:

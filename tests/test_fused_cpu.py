@@ -234,34 +234,29 @@ def test_wgmma_split_kernel_compiles_for_sm90_in_its_shared_memory_budget(tmp_pa
 
 
 def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partitions(tmp_path):
-    """The 64-row kernel with a loader warp partition (runtime part _fused_wgmma_ws), and its
-    early-QK form, compiled for sm_90a with no GPU: the 8 MMA warps and the 4 loader warps
-    share the SM's 65,536 registers (setmaxnreg: 224 and FUSED_WS_LOADER_REGS), nothing
-    spills, q and the ring of two f16 tiles fit the 232,448 bytes of shared memory, and the
-    slots are handed over by mbarriers. early queues the next QK behind PV (a wait for all
-    but two groups); stream waits for each block's copy on its own. (Numerics: GPU tests,
-    tests/gpu/test_fused_wgmma_gpu.py.)"""
+    """The 64-row kernel with a loader warp partition (runtime part _fused_wgmma_ws),
+    compiled for sm_90a with no GPU: the 8 MMA warps and the 4 loader warps share the SM's
+    65,536 registers (setmaxnreg: 224 and FUSED_WS_LOADER_REGS), nothing spills, q and the
+    ring of two f16 tiles fit the 232,448 bytes of shared memory, the slots are handed over
+    by mbarriers, and each tile's copy is waited for whole before its conversion. (Numerics:
+    GPU tests, tests/gpu/test_fused_wgmma_gpu.py.)"""
     fz = load_fused()
-    for flags, early, stream in ((["--ws"], False, False), (["--ws", "--early"], True, False),
-                                 (["--ws", "--stream"], False, True)):
-        dump = tmp_path / "-".join(flags)
-        rows = _aot_compiled("--wgmma", dump, flags)
-        assert len(rows) == 5 and all(line.startswith("wgmma ws") for line, *_ in rows), rows
-        for line, regs, spill, smem in rows:
-            assert spill == 0 and regs * 384 <= 65536 and smem <= 232448, line
-        ptx = sorted(dump.glob("wgmma_*_ws*.ptx"))
-        assert len(ptx) == 5
-        for f in ptx:
-            text = f.read_text()
-            loader = fz.FUSED_WS_LOADER_REGS
-            assert f"setmaxnreg.inc.sync.aligned.u32 \t{loader};" in text, f.name
-            mma = re.findall(r"setmaxnreg.dec.sync.aligned.u32 \t(\d+);", text)
-            assert any(int(r) * 256 + loader * 128 <= 65536 and int(r) >= 224 for r in mma), (f.name, mma)
-            assert "mbarrier.try_wait.parity" in text and "mbarrier.arrive" in text, f.name
-            assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text, f.name
-            assert ("wgmma.wait_group.sync.aligned 2;" in text) == early, f.name
-            # stream: a cp.async group a block, the first block's wait leaving 8 in flight
-            assert ("cp.async.wait_group \t8;" in text) == stream, f.name
+    dump = tmp_path / "ws"
+    rows = _aot_compiled("--wgmma", dump, ["--ws"])
+    assert len(rows) == 5 and all(line.startswith("wgmma ws") for line, *_ in rows), rows
+    for line, regs, spill, smem in rows:
+        assert spill == 0 and regs * 384 <= 65536 and smem <= 232448, line
+    ptx = sorted(dump.glob("wgmma_*_ws*.ptx"))
+    assert len(ptx) == 5
+    for f in ptx:
+        text = f.read_text()
+        loader = fz.FUSED_WS_LOADER_REGS
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{loader};" in text, f.name
+        mma = re.findall(r"setmaxnreg.dec.sync.aligned.u32 \t(\d+);", text)
+        assert any(int(r) * 256 + loader * 128 <= 65536 and int(r) >= 224 for r in mma), (f.name, mma)
+        assert "mbarrier.try_wait.parity" in text and "mbarrier.arrive" in text, f.name
+        assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text, f.name
+        assert "cp.async.wait_group \t0;" in text and "wgmma.wait_group.sync.aligned 2;" not in text, f.name
 
 
 def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_fails(monkeypatch):
@@ -277,8 +272,6 @@ def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: "loader")
     monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
     for cfg, want in (({"wgmma": True}, "loader"), ({"wgmma": True, "wg_ws": False}, "committed"),
-                      ({"wgmma": True, "wg_ws": True, "wg_early": True}, "loader"),
-                      ({"wgmma": True, "wg_ws": True, "wg_stream": True}, "loader"),
                       ({"wgmma": True, "loader_fails": True}, "committed")):
         monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda c=cfg: not c.get("loader_fails") and "loader")
         kernel, _, _, launch, rows = fz._fused_wgmma_choice((128, 512, 64, True, False, dev, cfg, None, 8), consts)
@@ -287,10 +280,8 @@ def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_
         if want == "loader":
             assert "STAGES" not in launch and "LEAN" not in launch
             assert launch["LOADER_REGS"] == fz.FUSED_WS_LOADER_REGS
-            assert launch["EARLY"] is bool(cfg.get("wg_early"))
-            assert launch["STREAM"] is bool(cfg.get("wg_stream"))
         else:
-            assert not {"LOADER_REGS", "EARLY", "STREAM"} & set(launch) and launch["STAGES"] >= 1
+            assert "LOADER_REGS" not in launch and launch["STAGES"] >= 1
 
 
 def test_wgmma_split_count_fills_the_last_wave():

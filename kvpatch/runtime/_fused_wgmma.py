@@ -43,8 +43,8 @@ from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_w
 # "wg_<key>" overrides one (gpu/gluon_wgmma_probe.py's sweep). lean: two barriers a step,
 # not four. ws: the loads and conversions in a warp partition (_fused_wgmma_ws), on since
 # GPU run 50 (H100): 0.63-0.78x this kernel's time from 8 x 4k at 128 heads, its tests and
-# verify on the real trees passed. early: its next QK issued behind each PV (1.08-1.14x ws's
-# time), stream: each block converted as its copy lands (0.98-1.02x ws's): both off.
+# verify on the real trees passed. (Its variants with the next QK issued behind each PV,
+# 1.04-1.14x its time, and with each block converted as its copy landed, within 2%, are gone.)
 FUSED_WGMMA_TUNING = {
     "block_n": 64,
     "num_stages": 1,
@@ -53,8 +53,6 @@ FUSED_WGMMA_TUNING = {
     "min_split": 128,
     "lean": False,
     "ws": True,
-    "early": False,
-    "stream": False,
     "splits": "fill",
 }
 # "fill": the fewest splits whose grid fills its last wave of CTAs at least this much. ncu
@@ -114,9 +112,7 @@ def _fused_wgmma_choice(geometry, consts):
     )
     if cfg["ws"]:  # a ring of two tiles, its own barriers
         del launch["STAGES"], launch["LEAN"]
-        launch.update(
-            LOADER_REGS=FUSED_WS_LOADER_REGS, EARLY=cfg["early"], STREAM=cfg["stream"]
-        )
+        launch.update(LOADER_REGS=FUSED_WS_LOADER_REGS)
     return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
 
 

@@ -55,15 +55,11 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
     global _fws_convert, _fws_load, _fws_mma, _fws_qk, _fws_scores
 
     @gluon.jit
-    def _fws_convert(
-        ring_b, pe_b, D: gl.constexpr, BN: gl.constexpr, STREAM: gl.constexpr
-    ):
+    def _fws_convert(ring_b, pe_b, D: gl.constexpr, BN: gl.constexpr):
         # The staged FP8 block u (bytes 32 + 4u KB of the slot) -> f16 columns 64u.. (bytes
         # 8u KB). Blocks 0-3 overwrite no staged byte; 4-5 overwrite blocks 0-3, read before
         # the first barrier; 6-7 overwrite blocks 4-7, all read before the second. The rope
         # is staged in the upper half of its own f16 tile, read before the second barrier.
-        # STREAM: each block's copy is a cp.async group of its own, waited for just before
-        # the block is converted (the rest still landing).
         cv_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         st = ring_b._reinterpret(gl.float8e4nv, [2 * D // 64, BN, 64], plain)
@@ -71,14 +67,8 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         for u in gl.static_range(6):
             if u == 4:
                 gl.thread_barrier()
-            if STREAM:  # groups of blocks u+1 .. 7 and the rope may still be in flight
-                async_copy.wait_group(8 - u)
-                gl.thread_barrier()
             x = st.index(8 + u).load(cv_l)
             ring_b.slice(64 * u, 64, 1).store(x.to(gl.float16))
-        if STREAM:
-            async_copy.wait_group(0)
-            gl.thread_barrier()
         x6 = st.index(14).load(cv_l)
         x7 = st.index(15).load(cv_l)
         xpe = st_pe.load(cv_l)
@@ -104,7 +94,6 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         PS: gl.constexpr,
         D: gl.constexpr,
         BN: gl.constexpr,
-        STREAM: gl.constexpr,
     ):
         cp_l: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -123,17 +112,14 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
                 async_copy.async_copy_global_to_shared(
                     st.index(D // 64 + u), rows + 64 * u, mask=ok
                 )
-                if STREAM:
-                    async_copy.commit_group()
             st_pe = ring_pe.index(b)._reinterpret(gl.float8e4nv, [2, BN, 64], plain)
             async_copy.async_copy_global_to_shared(st_pe.index(1), rows + D, mask=ok)
             async_copy.commit_group()
             ok_s.index(b).store((slot >= 0).to(gl.int32))
             slot = _fg_slots(table, base, lo + (t + 1) * BN, hi, n_slots, PS, r)
-            if not STREAM:
-                async_copy.wait_group(0)
-                gl.thread_barrier()  # every loader thread's bytes staged
-            _fws_convert(ring.index(b), ring_pe.index(b), D, BN, STREAM)
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every loader thread's bytes staged
+            _fws_convert(ring.index(b), ring_pe.index(b), D, BN)
             fence_async_shared()  # the generic stores, before wgmma's async reads
             mbarrier.arrive(ready.index(b), count=1)
 
@@ -180,7 +166,6 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         BN: gl.constexpr,
         CAUSAL: gl.constexpr,
         SPLIT_PE: gl.constexpr,
-        EARLY: gl.constexpr,
         s_l: gl.constexpr,
         o_l: gl.constexpr,
     ):
@@ -193,15 +178,10 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([BM, D], gl.float32, o_l)
         zs = gl.zeros([BM, BN], gl.float32, s_l)
-        n = gl.cdiv(hi - lo, BN)
-        if EARLY:  # QK of tile 0 before the loop, each next one issued behind PV
-            mbarrier.wait(ready.index(0), 0, pred=n > 0)
-            sc, sp = _fws_qk(q_s, qpe_s, ring, ring_pe, 0, zs, SPLIT_PE)
-        for t in range(n):
+        for t in range(gl.cdiv(hi - lo, BN)):
             b = t % 2
-            if not EARLY:
-                mbarrier.wait(ready.index(b), (t // 2) & 1)
-                sc, sp = _fws_qk(q_s, qpe_s, ring, ring_pe, b, zs, SPLIT_PE)
+            mbarrier.wait(ready.index(b), (t // 2) & 1)
+            sc, sp = _fws_qk(q_s, qpe_s, ring, ring_pe, b, zs, SPLIT_PE)
             sc = _fws_scores(sc, sp, ckv, kpe, SPLIT_PE)
             keep = (ok_s.index(b).load(gl.SliceLayout(0, s_l)) != 0)[None, :]
             if CAUSAL:
@@ -211,19 +191,10 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
             p16 = gl.convert_layout(p.to(gl.float16), p_l)
             al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
             acc = wgmma(p16, ring.index(b), acc * al[:, None], is_async=True)
-            if EARLY:
-                # The next tile's QK queued behind this PV (after the last tile: a
-                # stale slot, its scores never used); PV is then the oldest of 3 groups.
-                mbarrier.wait(ready.index(1 - b), ((t + 1) // 2) & 1, pred=t + 1 < n)
-                sc, sp = _fws_qk(q_s, qpe_s, ring, ring_pe, 1 - b, zs, SPLIT_PE)
-                acc = wgmma_wait(2, deps=(acc,))
-            else:
-                acc = wgmma_wait(0, deps=(acc,))
+            acc = wgmma_wait(0, deps=(acc,))
             m_i = m_new
             fence_async_shared()  # wgmma's reads, before the loader's copies refill
             mbarrier.arrive(empty.index(b), count=1)
-        if EARLY:
-            _fws_scores(sc, sp, ckv, kpe, SPLIT_PE)  # the last, unused QK drained
         return acc, m_i, l_i
 
     @gluon.jit(do_not_specialize=["n_splits", "n_slots", "table_stride", "min_split"])
@@ -261,8 +232,6 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         BLOCK_N: gl.constexpr,
         DIRECT: gl.constexpr,
         LOADER_REGS: gl.constexpr,
-        EARLY: gl.constexpr,
-        STREAM: gl.constexpr,
         PART16: gl.constexpr,
     ):
         gl.static_assert(D == 512 and DPE == 64 and BLOCK_N == 64)
@@ -328,7 +297,6 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
                         BN,
                         CAUSAL,
                         HAS_CKV_SCALE or HAS_KPE_SCALE,
-                        EARLY,
                         s_l,
                         o_l,
                     ),
@@ -351,7 +319,6 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
                         PS,
                         D,
                         BN,
-                        STREAM,
                     ),
                 ),
             ],
