@@ -11,7 +11,7 @@ table at page size 64 with both FP8 scales, against the scaled reference, and a 
 kernel's launch tuning. Prints only; exit 1 if a check fails. Compile-only, no GPU:
 python tools/fused_aot.py --wgmma.
 
-    python gpu/gluon_wgmma_probe.py [--sweep] [--ws]
+    python gpu/gluon_wgmma_probe.py [--sweep] [--ws | --prefetch]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 1
 # (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
 PATHS = (("triton", False, {}), ("wgmma", True, {"wg_ws": False}))
 WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_up", True, {"wg_ws": True, "wg_splits": "up"}))
+PF_PATHS = (("ws", True, {"wg_ws": True}), ("ws_prefetch", True, {"wg_ws": True, "wg_prefetch": True}))
 
 
 def main(argv=None):
@@ -52,8 +53,11 @@ def main(argv=None):
     sweep = "--sweep" in argv
     # --ws: the loader-partition kernel (runtime part _fused_wgmma_ws, the default) beside the
     # plain one, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
-    # ws_up: its split count rounded up (the count before runtime 13), for the A/B.
+    # ws_up: its split count rounded up (the count before runtime 13), for the A/B;
+    # ws_prefetch: its loader holding the next tile in registers (NOT RUN before run 51).
     paths = PATHS + (WS_PATHS if "--ws" in argv else ())
+    if "--prefetch" in argv:
+        paths += PF_PATHS[1:] if "--ws" in argv else PF_PATHS
     setup = probe_setup("gluon_wgmma_probe")
     if setup is None:
         return 2
@@ -100,7 +104,7 @@ def main(argv=None):
             line += (f" | {name} ({kname}) {us:7.1f} us ({us / bf16:.2f}x bf16) err {err:.1e} det {det} "
                      f"sabotage {sab:.1e} {'OK' if good else 'FAILED'}")
         line += f" | wgmma / triton {res['wgmma'] / res['triton']:.2f}x"
-        for name, *_ in WS_PATHS:
+        for name, *_ in WS_PATHS + PF_PATHS[1:]:
             if name in res:
                 line += f" | {name} / wgmma {res[name] / res['wgmma']:.2f}x"
         print(line, flush=True)

@@ -259,6 +259,61 @@ def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partiti
         assert "cp.async.wait_group \t0;" in text and "wgmma.wait_group.sync.aligned 2;" not in text, f.name
 
 
+def test_wgmma_prefetch_loader_holds_a_tile_in_registers_without_spilling(tmp_path):
+    """wg_prefetch's loader (runtime part _fused_wgmma_pf): the next tile's FP8 rows are
+    loaded as int32 words (16-byte vectors, no cp.async into a stage) and converted by
+    cvt.rn.f16x2.e4m3x2, within FUSED_WS_PREFETCH_REGS registers and the MMA warps' 192:
+    no spills without KV scales, at most a word with them (the MMA warps at 192; FP8 values
+    held one a register spilled 4.6 KB a thread, and 128 loader registers leave the MMA
+    warps 184, where they spill 80 bytes)."""
+    fz = load_fused()
+    dump = tmp_path / "pf"
+    rows = _aot_compiled("--wgmma", dump, ["--ws", "--prefetch"])
+    assert len(rows) == 5 and all(line.startswith("wgmma ws prefetch") for line, *_ in rows), rows
+    for line, regs, spill, smem in rows:
+        assert (spill == 0 or ("scales True" in line and spill <= 4)) and smem <= 232448, line
+    ptx = sorted(dump.glob("wgmma_*_ws_prefetch*.ptx"))
+    assert len(ptx) == 5
+    for f in ptx:
+        text = f.read_text()
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{fz.FUSED_WS_PREFETCH_REGS};" in text, f.name
+        mma = [int(r) for r in re.findall(r"setmaxnreg.dec.sync.aligned.u32 \t(\d+);", text)]
+        assert max(mma) * 256 + fz.FUSED_WS_PREFETCH_REGS * 128 <= 65536, (f.name, mma)
+        assert "cp.async" not in text and "ld.global.v4.b32" in text, f.name
+        assert text.count("cvt.rn.f16x2.e4m3x2") >= 144, f.name  # 288 values a thread a tile
+
+
+def test_wgmma_prefetch_only_where_asked_and_the_pool_rows_are_whole_words(monkeypatch):
+    """wg_prefetch launches the loader kernel with PREFETCH and its register budget; a pool
+    whose row stride is not a multiple of 4 bytes never gets it (the rows are read as int32
+    words), decided in the plan."""
+    fz = load_fused()
+    dev = torch.device("cuda", 0)
+    consts = (1, True, False, False, False, 128, 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: "loader")
+    monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
+    for cfg, pf in (({"wgmma": True}, False), ({"wgmma": True, "wg_prefetch": True}, True)):
+        kernel, _, _, launch, _ = fz._fused_wgmma_choice((128, 512, 64, True, False, dev, cfg, None, 8), consts)
+        launch = dict(launch)
+        assert kernel == "loader" and launch["PREFETCH"] is pf, cfg
+        assert launch["LOADER_REGS"] == (fz.FUSED_WS_PREFETCH_REGS if pf else fz.FUSED_WS_LOADER_REGS)
+    seen = []
+    monkeypatch.setattr(fz, "_fused_wgmma_choice", lambda geometry, consts: seen.append(dict(geometry[6])))
+    monkeypatch.setattr(fz, "_fused_gluon_choice", lambda geometry, consts: None)
+    for width in (576, 578):  # rows 576 bytes apart, and 578 (not whole words)
+        pool = torch.zeros(64, width, dtype=torch.uint8).view(torch.float8_e4m3fn)[:, :576]
+        q_nope, q_pe = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+        out = torch.empty(2, 128, 512, dtype=torch.bfloat16)
+        table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+        key = (None,) * 13 + (False, 1, 1, False, None, 1.0, 1.0)
+        try:
+            fz._fused_plan(q_nope, q_pe, pool, out, table, key, {"wgmma": True, "wg_prefetch": True})
+        except Exception:
+            pass  # past the choice: the rest of the plan needs a GPU
+        assert seen and seen[-1]["wg_prefetch"] is (width % 4 == 0), (width, seen)
+
+
 def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_fails(monkeypatch):
     """The loader-partition kernel serves by default, with its own constants (no FP8 stages
     or lean barriers: a ring of two tiles); "wg_ws": False, or a loader kernel that does not

@@ -30,6 +30,7 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_slots,
 )
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
+from kvpatch.runtime._fused_wgmma_pf import FUSED_WS_PREFETCH_REGS
 from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_ws_build
 
 # -- joined from here --
@@ -53,6 +54,7 @@ FUSED_WGMMA_TUNING = {
     "min_split": 128,
     "lean": False,
     "ws": True,
+    "prefetch": False,
     "splits": "fill",
 }
 # "fill": the fewest splits whose grid fills its last wave of CTAs at least this much. ncu
@@ -112,7 +114,12 @@ def _fused_wgmma_choice(geometry, consts):
     )
     if cfg["ws"]:  # a ring of two tiles, its own barriers
         del launch["STAGES"], launch["LEAN"]
-        launch.update(LOADER_REGS=FUSED_WS_LOADER_REGS)
+        launch.update(
+            LOADER_REGS=(
+                FUSED_WS_PREFETCH_REGS if cfg["prefetch"] else FUSED_WS_LOADER_REGS
+            ),
+            PREFETCH=cfg["prefetch"],
+        )
     return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
 
 
