@@ -44,7 +44,7 @@ SHAPES = ((128, 1, 4096, 1), (128, 8, 4096, 1), (128, 32, 4096, 1), (128, 64, 81
 SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 128, True)]
 # (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
 PATHS = (("triton", False, {}), ("wgmma", True, {"wg_ws": False}))
-WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_up", True, {"wg_ws": True, "wg_splits": "up"}))
+WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_fill", True, {"wg_ws": True, "wg_splits": "fill"}))
 PF_PATHS = (("ws", True, {"wg_ws": True}), ("ws_prefetch", True, {"wg_ws": True, "wg_prefetch": True}))
 
 
@@ -53,8 +53,9 @@ def main(argv=None):
     sweep = "--sweep" in argv
     # --ws: the loader-partition kernel (runtime part _fused_wgmma_ws, the default) beside the
     # plain one, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
-    # ws_up: its split count rounded up (the count before runtime 13), for the A/B;
-    # ws_prefetch: its loader holding the next tile in registers (NOT RUN before run 51).
+    # ws_fill: the splits that fill the last wave of CTAs (NOT RUN before run 51), for the
+    # A/B against the rounded-up count; --prefetch: its loader holding the next tile in
+    # registers (NOT RUN before run 51).
     paths = PATHS + (WS_PATHS if "--ws" in argv else ())
     if "--prefetch" in argv:
         paths += PF_PATHS[1:] if "--ws" in argv else PF_PATHS

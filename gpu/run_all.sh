@@ -65,7 +65,7 @@ for s in $steps; do
               [ $r -eq 0 ] && touch /tmp/kvpatch_ws_ok
               [ $r -ge 124 ] && touch /tmp/kvpatch_ws_hung && echo "ws_probe: TIMED OUT (a hang)";
               cat "$OUT/ws_probe.log" ;;
-    # the split counts' A/B and the register-prefetch loader in one pass (a short call)
+    # fill against up splits and the register-prefetch loader in one pass (a short call)
     ab_probe) timeout -k 10 150 python3 gpu/gluon_wgmma_probe.py --ws --prefetch > "$OUT/ab_probe.log" 2>&1;
               [ $? -ge 124 ] && echo "ab_probe: TIMED OUT (a hang)"; cat "$OUT/ab_probe.log" ;;
     # the loader holding the next tile in registers (wg_prefetch), alone: a hang costs 150 s

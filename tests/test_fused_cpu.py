@@ -380,13 +380,14 @@ def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_ru
 def test_auto_takes_the_64_row_kernel_only_for_the_shapes_measured_faster(monkeypatch):
     """auto: the fused path for at most 16 query rows a request, and for the shapes the
     loader-partition 64-row kernel was measured faster than the gather at every batch, while
-    it is on and builds; shapes never timed (32 heads x 2, 16 x 6) and unmeasured GPUs gather."""
+    it is on and builds; shapes never timed (64 heads, 32 x 2, 16 x 6) and unmeasured GPUs
+    gather."""
     fz = load_fused()
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: True)
     monkeypatch.setattr(fz, "FUSED_WGMMA_DEFAULT", True)
     h100 = (9, 0)
     for heads, tq, want in ((16, 1, True), (8, 2, True), (16, 4, True), (16, 8, True), (128, 1, True),
-                            (64, 1, True), (32, 2, False), (16, 6, False)):
+                            (64, 1, False), (32, 2, False), (16, 6, False)):
         assert fz._fused_auto(h100, heads, tq) is want, (heads, tq)
     assert not fz._fused_auto((10, 0), 16, 4) and not fz._fused_auto((10, 0), 16, 1)
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: False)  # another Triton: no loader kernel

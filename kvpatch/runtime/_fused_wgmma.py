@@ -55,12 +55,13 @@ FUSED_WGMMA_TUNING = {
     "lean": False,
     "ws": True,
     "prefetch": False,
-    "splits": "fill",
+    "splits": "up",
 }
-# "fill": the fewest splits whose grid fills its last wave of CTAs at least this much. ncu
-# (GPU run 50) found the rounded-up count ("up") leaving SMs idle: 128 heads x 32 x 4k ran
-# 3 splits, 192 CTAs on 132 SMs (1.45 waves; 2 splits are 128, one wave), and 8 x 4k ran
-# 9 splits, 144 CTAs (8 are 128).
+# "fill" (wg_splits): the fewest splits whose grid fills its last wave of CTAs at least this
+# much. ncu (GPU run 50) found the rounded-up count ("up", the one measured) leaving SMs
+# idle: 128 heads x 32 x 4k ran 3 splits, 192 CTAs on 132 SMs (1.45 waves; 2 splits are
+# 128, one wave), and 8 x 4k ran 9 splits, 144 CTAs (8 are 128). NOT RUN: gpu/run_all.sh
+# ab_probe times both.
 FUSED_WGMMA_FILL = 0.9
 # Query rows a CTA holds: the kernel's layouts are two warpgroups of 4 x 16 rows (its BM).
 FUSED_WGMMA_ROWS = 64

@@ -17,9 +17,10 @@ import re
 
 import torch
 
-# 13: the loader-partition 64-row kernel serves by default (FUSED_WGMMA_TUNING["ws"]), its
-# splits filling the last wave; auto routes 128 heads, 64 heads and 16 heads x 8 tokens to
-# it (FUSED_AUTO_WGMMA); "wg_prefetch": its loader holding the next tile in registers (off)
+# 13: the loader-partition 64-row kernel serves by default (FUSED_WGMMA_TUNING["ws"]); auto
+# routes 128 heads and 16 heads x 8 tokens to it (FUSED_AUTO_WGMMA); off: "wg_splits":
+# "fill" (splits that fill the last wave) and "wg_prefetch" (its loader holding the next
+# tile in registers)
 # 12: the 64-row kernel's variant with a loader warp partition (runtime part
 # _fused_wgmma_ws; off: "wg_ws" in a config)
 # 11: the split kernels' partials in f16 (FUSED_F16_PARTIALS; off)
