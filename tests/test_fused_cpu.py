@@ -305,7 +305,7 @@ def test_wgmma_prefetch_only_where_asked_and_the_pool_rows_are_whole_words(monke
         pool = torch.zeros(64, width, dtype=torch.uint8).view(torch.float8_e4m3fn)[:, :576]
         q_nope, q_pe = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
         out = torch.empty(2, 128, 512, dtype=torch.bfloat16)
-        table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+        table = torch.zeros(2, 4, dtype=torch.int32)
         key = (None,) * 13 + (False, 1, 1, False, None, 1.0, 1.0)
         try:
             fz._fused_plan(q_nope, q_pe, pool, out, table, key, {"wgmma": True, "wg_prefetch": True})
