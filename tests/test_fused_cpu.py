@@ -314,6 +314,38 @@ def test_wgmma_prefetch_only_where_asked_and_the_pool_rows_are_whole_words(monke
         assert seen and seen[-1]["wg_prefetch"] is (width % 4 == 0), (width, seen)
 
 
+def test_a_prefetch_plan_refuses_a_pool_address_that_is_not_word_aligned(monkeypatch):
+    """A plan with the prefetch loader reads the pool as int32 words: a call whose pool
+    starts off a word boundary raises (the caller falls back) before any launch; an aligned
+    pool, or a plan without it, goes on past that check."""
+    fz = load_fused()
+
+    def plan(words):
+        # the plan's keys fused_mla reads up to the check; unpacking scratch=None (a
+        # TypeError) then ends the call past it
+        return dict(words=words, tuning=fz.FUSED_TUNING["large"], bucket="large",
+                    ckv_tensor=False, kpe_tensor=False, scratch=None, ckv_t=None, kpe_t=None)
+
+    raw = torch.zeros(64 * 576 + 4, dtype=torch.uint8)
+    q_nope, q_pe = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
+    out = torch.empty(2, 128, 512, dtype=torch.bfloat16)
+    table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    outcomes = {}
+    for words in (True, False):
+        for offset in (0, 1, 2, 4):
+            pool = raw[offset:offset + 64 * 576].view(torch.float8_e4m3fn).view(64, 1, 576)
+            p = plan(words)
+            monkeypatch.setattr(fz, "_fused_plan", lambda *a, p=p: p)
+            try:
+                fz.fused_mla(q_nope, q_pe, pool, out, 0.1, page_table=table, cache_seqlens=lens, config={})
+            except ValueError as exc:
+                outcomes[words, offset] = "refused" if "unaligned" in str(exc) else repr(exc)
+            except (TypeError, KeyError):
+                outcomes[words, offset] = "past"
+    assert outcomes == {(True, 0): "past", (True, 1): "refused", (True, 2): "refused", (True, 4): "past",
+                        (False, 0): "past", (False, 1): "past", (False, 2): "past", (False, 4): "past"}, outcomes
+
+
 def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_fails(monkeypatch):
     """The loader-partition kernel serves by default, with its own constants (no FP8 stages
     or lean barriers: a ring of two tiles); "wg_ws": False, or a loader kernel that does not

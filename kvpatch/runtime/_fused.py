@@ -151,12 +151,9 @@ def fused_mla(
         out.data_ptr(),
     )
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
-    if (
-        plan["words"] and ptrs[2] & 3
-    ):  # the caller falls back (routed calls: the gather)
-        raise ValueError(
-            "fused_mla: wg_prefetch reads whole words: the pool is unaligned"
-        )
+    # wg_prefetch reads the pool as int32 words; the caller falls back (routed: the gather)
+    if plan["words"] and ptrs[2] & 3:
+        raise ValueError("fused_mla: wg_prefetch reads whole words: pool is unaligned")
     ckv_t = ckv_scale if plan["ckv_tensor"] else plan["ckv_t"]
     kpe_t = kpe_scale if plan["kpe_tensor"] else plan["kpe_t"]
     part_o, part_lse = plan["scratch"]
