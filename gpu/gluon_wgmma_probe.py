@@ -44,8 +44,9 @@ SHAPES = ((128, 1, 4096, 1), (128, 8, 4096, 1), (128, 32, 4096, 1), (128, 64, 81
 SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 128, True)]
 # (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
 PATHS = (("triton", False, {}), ("wgmma", True, {"wg_ws": False}))
-WS_PATHS = (("ws", True, {"wg_ws": True}), ("ws_fill", True, {"wg_ws": True, "wg_splits": "fill"}))
-PF_PATHS = (("ws", True, {"wg_ws": True}), ("ws_prefetch", True, {"wg_ws": True, "wg_prefetch": True}))
+WS = ("ws", True, {"wg_ws": True})
+FILL = ("ws_fill", True, {"wg_ws": True, "wg_splits": "fill"})
+PREFETCH = ("ws_prefetch", True, {"wg_ws": True, "wg_prefetch": True})
 
 
 def main(argv=None):
@@ -56,9 +57,9 @@ def main(argv=None):
     # ws_fill: the splits that fill the last wave of CTAs (NOT RUN before run 51), for the
     # A/B against the rounded-up count; --prefetch: its loader holding the next tile in
     # registers (NOT RUN before run 51).
-    paths = PATHS + (WS_PATHS if "--ws" in argv else ())
-    if "--prefetch" in argv:
-        paths += PF_PATHS[1:] if "--ws" in argv else PF_PATHS
+    ws, pf = "--ws" in argv, "--prefetch" in argv
+    variants = (WS,) * (ws or pf) + (FILL,) * ws + (PREFETCH,) * pf
+    paths = PATHS + variants
     setup = probe_setup("gluon_wgmma_probe")
     if setup is None:
         return 2
@@ -105,9 +106,8 @@ def main(argv=None):
             line += (f" | {name} ({kname}) {us:7.1f} us ({us / bf16:.2f}x bf16) err {err:.1e} det {det} "
                      f"sabotage {sab:.1e} {'OK' if good else 'FAILED'}")
         line += f" | wgmma / triton {res['wgmma'] / res['triton']:.2f}x"
-        for name, *_ in WS_PATHS + PF_PATHS[1:]:
-            if name in res:
-                line += f" | {name} / wgmma {res[name] / res['wgmma']:.2f}x"
+        for name, *_ in variants:
+            line += f" | {name} / wgmma {res[name] / res['wgmma']:.2f}x"
         print(line, flush=True)
         if sweep:
             for bn, stages, min_split, lean in SWEEP:

@@ -151,8 +151,9 @@ def fused_mla(
         out.data_ptr(),
     )
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
-    # wg_prefetch reads the pool as int32 words; the caller falls back (routed: the gather)
-    if plan["words"] and ptrs[2] & 3:
+    # wg_prefetch reads the pool as int32 words; the caller falls back (routed: the gather).
+    # A 16-byte aligned call (the usual one) is word-aligned: no plan lookup on its path.
+    if not aligned and plan["words"] and ptrs[2] & 3:
         raise ValueError("fused_mla: wg_prefetch reads whole words: pool is unaligned")
     ckv_t = ckv_scale if plan["ckv_tensor"] else plan["ckv_t"]
     kpe_t = kpe_scale if plan["kpe_tensor"] else plan["kpe_t"]
