@@ -11,7 +11,7 @@ table at page size 64 with both FP8 scales, against the scaled reference, and a 
 kernel's launch tuning. Prints only; exit 1 if a check fails. Compile-only, no GPU:
 python tools/fused_aot.py --wgmma.
 
-    python gpu/gluon_wgmma_probe.py [--sweep] [--ws | --prefetch]
+    python gpu/gluon_wgmma_probe.py [--sweep] [--ws]
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 1
 # (name, the 64-row kernel on, config keys): what is timed and checked at each shape.
 PATHS = (("triton", False, {}), ("wgmma", True, {"wg_ws": False}))
 WS = ("ws", True, {"wg_ws": True})
-FILL = ("ws_fill", True, {"wg_ws": True, "wg_splits": "fill"})
-PREFETCH = ("ws_prefetch", True, {"wg_ws": True, "wg_prefetch": True})
+UP = ("ws_up", True, {"wg_ws": True, "wg_splits": "up"})
 
 
 def main(argv=None):
@@ -54,11 +53,9 @@ def main(argv=None):
     sweep = "--sweep" in argv
     # --ws: the loader-partition kernel (runtime part _fused_wgmma_ws, the default) beside the
     # plain one, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
-    # ws_fill: the splits that fill the last wave of CTAs (NOT RUN before run 51), for the
-    # A/B against the rounded-up count; --prefetch: its loader holding the next tile in
-    # registers (NOT RUN before run 51).
-    ws, pf = "--ws" in argv, "--prefetch" in argv
-    variants = (WS,) * (ws or pf) + (FILL,) * ws + (PREFETCH,) * pf
+    # ws_up: its split count rounded up (the default before run 51), for the A/B against
+    # the splits that fill the last wave of CTAs (the default since).
+    variants = (WS, UP) if "--ws" in argv else ()
     paths = PATHS + variants
     setup = probe_setup("gluon_wgmma_probe")
     if setup is None:

@@ -65,9 +65,6 @@ for s in $steps; do
               [ $r -eq 0 ] && touch /tmp/kvpatch_ws_ok
               [ $r -ge 124 ] && touch /tmp/kvpatch_ws_hung && echo "ws_probe: TIMED OUT (a hang)";
               cat "$OUT/ws_probe.log" ;;
-    # fill against up splits and the register-prefetch loader in one pass (a short call)
-    ab_probe) timeout -k 10 150 python3 gpu/gluon_wgmma_probe.py --ws --prefetch > "$OUT/ab_probe.log" 2>&1;
-              [ $? -ge 124 ] && echo "ab_probe: TIMED OUT (a hang)"; cat "$OUT/ab_probe.log" ;;
     gluon_pv) python3 gpu/gluon_pv_probe.py 2>&1 | tee "$OUT/gluon_pv_probe.log" ;;
     splits) python3 gpu/split_count_probe.py 2>&1 | tee "$OUT/split_count.log" ;;
     step_sweep) python3 gpu/sweep_step.py --json "$OUT/sweep_step.json" 2>&1 | tee "$OUT/sweep_step.log" ;;

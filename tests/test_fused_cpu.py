@@ -259,93 +259,6 @@ def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partiti
         assert "cp.async.wait_group \t0;" in text and "wgmma.wait_group.sync.aligned 2;" not in text, f.name
 
 
-def test_wgmma_prefetch_loader_holds_a_tile_in_registers_without_spilling(tmp_path):
-    """wg_prefetch's loader (runtime part _fused_wgmma_pf): the next tile's FP8 rows are
-    loaded as int32 words (16-byte vectors, no cp.async into a stage) and converted by
-    cvt.rn.f16x2.e4m3x2, within FUSED_WS_PREFETCH_REGS registers and the MMA warps' 192:
-    no spills without KV scales, at most a word with them (the MMA warps at 192; FP8 values
-    held one a register spilled 4.6 KB a thread, and 128 loader registers leave the MMA
-    warps 184, where they spill 80 bytes)."""
-    fz = load_fused()
-    dump = tmp_path / "pf"
-    rows = _aot_compiled("--wgmma", dump, ["--ws", "--prefetch"])
-    assert len(rows) == 5 and all(line.startswith("wgmma ws prefetch") for line, *_ in rows), rows
-    for line, regs, spill, smem in rows:
-        assert (spill == 0 or ("scales True" in line and spill <= 4)) and smem <= 232448, line
-    ptx = sorted(dump.glob("wgmma_*_ws_prefetch*.ptx"))
-    assert len(ptx) == 5
-    for f in ptx:
-        text = f.read_text()
-        assert f"setmaxnreg.inc.sync.aligned.u32 \t{fz.FUSED_WS_PREFETCH_REGS};" in text, f.name
-        mma = [int(r) for r in re.findall(r"setmaxnreg.dec.sync.aligned.u32 \t(\d+);", text)]
-        assert max(mma) * 256 + fz.FUSED_WS_PREFETCH_REGS * 128 <= 65536, (f.name, mma)
-        assert "cp.async" not in text and "ld.global.v4.b32" in text, f.name
-        assert text.count("cvt.rn.f16x2.e4m3x2") >= 144, f.name  # 288 values a thread a tile
-
-
-def test_wgmma_prefetch_only_where_asked_and_the_pool_rows_are_whole_words(monkeypatch):
-    """wg_prefetch launches the loader kernel with PREFETCH and its register budget; a pool
-    whose row stride is not a multiple of 4 bytes never gets it (the rows are read as int32
-    words), decided in the plan."""
-    fz = load_fused()
-    dev = torch.device("cuda", 0)
-    consts = (1, True, False, False, False, 128, 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: "loader")
-    monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
-    for cfg, pf in (({"wgmma": True}, False), ({"wgmma": True, "wg_prefetch": True}, True)):
-        kernel, _, _, launch, _ = fz._fused_wgmma_choice((128, 512, 64, True, False, dev, cfg, None, 8), consts)
-        launch = dict(launch)
-        assert kernel == "loader" and launch["PREFETCH"] is pf, cfg
-        assert launch["LOADER_REGS"] == (fz.FUSED_WS_PREFETCH_REGS if pf else fz.FUSED_WS_LOADER_REGS)
-    seen = []
-    monkeypatch.setattr(fz, "_fused_wgmma_choice", lambda geometry, consts: seen.append(dict(geometry[6])))
-    monkeypatch.setattr(fz, "_fused_gluon_choice", lambda geometry, consts: None)
-    for width in (576, 578):  # rows 576 bytes apart, and 578 (not whole words)
-        pool = torch.zeros(64, width, dtype=torch.uint8).view(torch.float8_e4m3fn)[:, :576]
-        q_nope, q_pe = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
-        out = torch.empty(2, 128, 512, dtype=torch.bfloat16)
-        table = torch.zeros(2, 4, dtype=torch.int32)
-        key = (None,) * 13 + (False, 1, 1, False, None, 1.0, 1.0)
-        try:
-            fz._fused_plan(q_nope, q_pe, pool, out, table, key, {"wgmma": True, "wg_prefetch": True})
-        except Exception:
-            pass  # past the choice: the rest of the plan needs a GPU
-        assert seen and seen[-1]["wg_prefetch"] is (width % 4 == 0), (width, seen)
-
-
-def test_a_prefetch_plan_refuses_a_pool_address_that_is_not_word_aligned(monkeypatch):
-    """A plan with the prefetch loader reads the pool as int32 words: a call whose pool
-    starts off a word boundary raises (the caller falls back) before any launch; an aligned
-    pool, or a plan without it, goes on past that check."""
-    fz = load_fused()
-
-    def plan(words):
-        # the plan's keys fused_mla reads up to the check; unpacking scratch=None (a
-        # TypeError) then ends the call past it
-        return dict(words=words, tuning=fz.FUSED_TUNING["large"], bucket="large",
-                    ckv_tensor=False, kpe_tensor=False, scratch=None, ckv_t=None, kpe_t=None)
-
-    raw = torch.zeros(64 * 576 + 4, dtype=torch.uint8)
-    q_nope, q_pe = torch.zeros(2, 128, 512, dtype=torch.bfloat16), torch.zeros(2, 128, 64, dtype=torch.bfloat16)
-    out = torch.empty(2, 128, 512, dtype=torch.bfloat16)
-    table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-    outcomes = {}
-    for words in (True, False):
-        for offset in (0, 1, 2, 4):
-            pool = raw[offset:offset + 64 * 576].view(torch.float8_e4m3fn).view(64, 1, 576)
-            p = plan(words)
-            monkeypatch.setattr(fz, "_fused_plan", lambda *a, p=p: p)
-            try:
-                fz.fused_mla(q_nope, q_pe, pool, out, 0.1, page_table=table, cache_seqlens=lens, config={})
-            except ValueError as exc:
-                outcomes[words, offset] = "refused" if "unaligned" in str(exc) else repr(exc)
-            except (TypeError, KeyError):
-                outcomes[words, offset] = "past"
-    assert outcomes == {(True, 0): "past", (True, 1): "refused", (True, 2): "refused", (True, 4): "past",
-                        (False, 0): "past", (False, 1): "past", (False, 2): "past", (False, 4): "past"}, outcomes
-
-
 def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_fails(monkeypatch):
     """The loader-partition kernel serves by default, with its own constants (no FP8 stages
     or lean barriers: a ring of two tiles); "wg_ws": False, or a loader kernel that does not
@@ -412,14 +325,14 @@ def test_wgmma_kernel_only_when_asked_at_64_rows_on_the_triton_and_gpu_it_has_ru
 def test_auto_takes_the_64_row_kernel_only_for_the_shapes_measured_faster(monkeypatch):
     """auto: the fused path for at most 16 query rows a request, and for the shapes the
     loader-partition 64-row kernel was measured faster than the gather at every batch, while
-    it is on and builds; shapes never timed (64 heads, 32 x 2, 16 x 6) and unmeasured GPUs
+    it is on and builds; shapes never timed (32 heads x 2, 16 x 6) and unmeasured GPUs
     gather."""
     fz = load_fused()
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: True)
     monkeypatch.setattr(fz, "FUSED_WGMMA_DEFAULT", True)
     h100 = (9, 0)
     for heads, tq, want in ((16, 1, True), (8, 2, True), (16, 4, True), (16, 8, True), (128, 1, True),
-                            (64, 1, False), (32, 2, False), (16, 6, False)):
+                            (64, 1, True), (32, 2, False), (16, 6, False)):
         assert fz._fused_auto(h100, heads, tq) is want, (heads, tq)
     assert not fz._fused_auto((10, 0), 16, 4) and not fz._fused_auto((10, 0), 16, 1)
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: False)  # another Triton: no loader kernel

@@ -106,10 +106,10 @@ def _dump(dump, tag, k):
 
 
 def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None, lean=None,
-                  part16=False, ws=False, prefetch=False):
+                  part16=False, ws=False):
     """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a; ws: its
     variant with a loader partition (runtime part _fused_wgmma_ws), the default since
-    runtime 13; prefetch: its loader holding the next tile in registers. The constants mirror _fused_wgmma_choice's launch (no GPU here to ask it
+    runtime 13. The constants mirror _fused_wgmma_choice's launch (no GPU here to ask it
     for them)."""
     rt = _fused()
     kernel = rt._fused_wgmma_ws_build() if ws else rt._fused_wgmma_build()
@@ -119,10 +119,9 @@ def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=N
                  DIRECT=FLAGS["DIRECT"], LEAN=tune["lean"] if lean is None else lean, PART16=part16)
     if ws:
         del const["STAGES"], const["LEAN"]
-        regs = rt.FUSED_WS_PREFETCH_REGS if prefetch else rt.FUSED_WS_LOADER_REGS
-        const.update(LOADER_REGS=regs, PREFETCH=prefetch)
+        const.update(LOADER_REGS=rt.FUSED_WS_LOADER_REGS)
     tag = (f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const.get('STAGES', 2)}"
-           f"{'_lean' if const.get('LEAN') else ''}{'_ws' if ws else ''}{'_prefetch' if prefetch else ''}"
+           f"{'_lean' if const.get('LEAN') else ''}{'_ws' if ws else ''}"
            f"{'_direct' if const['DIRECT'] else ''}{'_p16' if part16 else ''}")
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
@@ -152,7 +151,6 @@ def main(argv=None):
     ap.add_argument("--gluon", action="store_true", help="the runtime's Gluon split kernel instead, every variant")
     ap.add_argument("--wgmma", action="store_true", help="the 64-row warpgroup-MMA kernel, every variant")
     ap.add_argument("--ws", action="store_true", help="with --wgmma: its variant with a loader partition")
-    ap.add_argument("--prefetch", action="store_true", help="with --ws: the loader holds the next tile in registers")
     args = ap.parse_args(argv)
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))
@@ -165,9 +163,8 @@ def main(argv=None):
                 (1, True, False, 128, 1, True, False), (64, False, True, 128, 1, None, True)):
             if args.ws and lean:
                 continue
-            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean, part16=p16, ws=args.ws,
-                              prefetch=args.prefetch)
-            print(f"wgmma{' ws' if args.ws else ''}{' prefetch' if args.prefetch else ''} heads {heads} tq {tq} page size {ps} "
+            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean, part16=p16, ws=args.ws)
+            print(f"wgmma{' ws' if args.ws else ''} heads {heads} tq {tq} page size {ps} "
                   f"{'kv_indptr' if by_indptr else 'page table'} "
                   f"scales {scales}{' lean' if lean else ''}{' part16' if p16 else ''}: {r['regs']} regs, "
                   f"{r['spill']} B spilled, {r['smem']} B shared", flush=True)

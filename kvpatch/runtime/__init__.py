@@ -16,7 +16,6 @@ self-contained module ``apply`` writes next to each patched backend as
     _fused_gluon_ops  the Gluon split kernel's device functions (operands in MMA layouts)
     _fused_gluon    its split kernel in Gluon (16 heads, one query token), where Gluon is
     _fused_wgmma    its 64-row split kernel by warpgroup MMA (128 heads, draft tokens), Gluon
-    _fused_wgmma_pf its loader partition that holds the next tile in registers (wg_prefetch)
     _fused_wgmma_ws the same with its loads and conversions in a warp partition of their own
     _fused_scratch  its partial-result buffers and FP8 scale tensors, kept across calls
     _fused      its launcher (fused_mla) and tuning
@@ -44,7 +43,7 @@ from kvpatch.names import KVPATCH_VERSION_VAR, RUNTIME_FILENAME, RUNTIME_MODULE,
 __all__ = ["PARTS", "RUNTIME_FILENAME", "TEMPLATE", "load_template", "runtime_source", "runtime_version"]
 
 PARTS = ("_modes", "_launch", "_dispatch", "_gather", "_kernels", "_pages", "_sparse", "_fused_ops", "_fused_kernels",
-         "_fused_gluon_ops", "_fused_gluon", "_fused_wgmma", "_fused_wgmma_pf", "_fused_wgmma_ws", "_fused_scratch", "_fused", "_route", "_mla_route", "_paged_mla", "_reset")
+         "_fused_gluon_ops", "_fused_gluon", "_fused_wgmma", "_fused_wgmma_ws", "_fused_scratch", "_fused", "_route", "_mla_route", "_paged_mla", "_reset")
 _HERE = Path(__file__).resolve().parent
 _FROM = "# -- joined from here --\n"
 _UP_TO = "# -- joined up to here --\n"

@@ -151,10 +151,6 @@ def fused_mla(
         out.data_ptr(),
     )
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
-    # wg_prefetch reads the pool as int32 words; the caller falls back (routed: the gather).
-    # A 16-byte aligned call (the usual one) is word-aligned: no plan lookup on its path.
-    if not aligned and plan["words"] and ptrs[2] & 3:
-        raise ValueError("fused_mla: wg_prefetch reads whole words: pool is unaligned")
     ckv_t = ckv_scale if plan["ckv_tensor"] else plan["ckv_t"]
     kpe_t = kpe_scale if plan["kpe_tensor"] else plan["kpe_t"]
     part_o, part_lse = plan["scratch"]
@@ -273,8 +269,6 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
     ckv_t = None if ckv_tensor else _fused_scale_tensor(ckv_key, kv2.device)
     kpe_t = None if kpe_tensor else _fused_scale_tensor(kpe_key, kv2.device)
     has_ckv, has_kpe = ckv_tensor or ckv_t is not None, kpe_tensor or kpe_t is not None
-    if kv2.stride(0) % 4:  # wg_prefetch reads the pool's rows as int32 words
-        cfg["wg_prefetch"] = False
     # The Gluon kernels where they serve (runtime parts _fused_gluon, _fused_wgmma), each
     # with its own tuning; the 64-row one with its own row groups.
     gluon = _fused_gluon_choice(
@@ -342,7 +336,6 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
         "ckv_t": ckv_t,
         "kpe_t": kpe_t,
         "direct": direct,
-        "words": bool(gluon) and ("PREFETCH", True) in gluon[3],
         "scratch": scratch,
         "scratch_ptrs": (scratch[0].data_ptr(), scratch[1].data_ptr()),
         "split_k": split_k,

@@ -30,7 +30,6 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_slots,
 )
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
-from kvpatch.runtime._fused_wgmma_pf import FUSED_WS_PREFETCH_REGS
 from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_ws_build
 
 # -- joined from here --
@@ -45,7 +44,8 @@ from kvpatch.runtime._fused_wgmma_ws import FUSED_WS_LOADER_REGS, _fused_wgmma_w
 # not four. ws: the loads and conversions in a warp partition (_fused_wgmma_ws), on since
 # GPU run 50 (H100): 0.63-0.78x this kernel's time from 8 x 4k at 128 heads, its tests and
 # verify on the real trees passed. (Its variants with the next QK issued behind each PV,
-# 1.04-1.14x its time, and with each block converted as its copy landed, within 2%, are gone.)
+# 1.04-1.14x its time, with each block converted as its copy landed, within 2%, and with
+# its loader holding the next tile in registers, 1.01-1.05x (GPU run 51), are gone.)
 FUSED_WGMMA_TUNING = {
     "block_n": 64,
     "num_stages": 1,
@@ -54,14 +54,14 @@ FUSED_WGMMA_TUNING = {
     "min_split": 128,
     "lean": False,
     "ws": True,
-    "prefetch": False,
-    "splits": "up",
+    "splits": "fill",
 }
 # "fill" (wg_splits): the fewest splits whose grid fills its last wave of CTAs at least this
-# much. ncu (GPU run 50) found the rounded-up count ("up", the one measured) leaving SMs
-# idle: 128 heads x 32 x 4k ran 3 splits, 192 CTAs on 132 SMs (1.45 waves; 2 splits are
-# 128, one wave), and 8 x 4k ran 9 splits, 144 CTAs (8 are 128). NOT RUN: gpu/run_all.sh
-# ab_probe times both.
+# much. ncu (GPU run 50) found the rounded-up count ("up", the rule of the 16-row kernels)
+# leaving SMs idle: 128 heads x 32 x 4k ran 3 splits, 192 CTAs on 132 SMs (1.45 waves; 2
+# splits are 128, one wave). GPU run 51 (H100, gpu/gluon_wgmma_probe.py --ws): fill took
+# 0.74x up's time there (115.4 against 155.2 us), 0.66x at 16 heads x 4 tokens x 32 x 4k,
+# 0.75x at 16 x 8, 0.97x at 64 x 8k, within 1% elsewhere; every check passed.
 FUSED_WGMMA_FILL = 0.9
 # Query rows a CTA holds: the kernel's layouts are two warpgroups of 4 x 16 rows (its BM).
 FUSED_WGMMA_ROWS = 64
@@ -115,12 +115,7 @@ def _fused_wgmma_choice(geometry, consts):
     )
     if cfg["ws"]:  # a ring of two tiles, its own barriers
         del launch["STAGES"], launch["LEAN"]
-        launch.update(
-            LOADER_REGS=(
-                FUSED_WS_PREFETCH_REGS if cfg["prefetch"] else FUSED_WS_LOADER_REGS
-            ),
-            PREFETCH=cfg["prefetch"],
-        )
+        launch.update(LOADER_REGS=FUSED_WS_LOADER_REGS)
     return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
 
 

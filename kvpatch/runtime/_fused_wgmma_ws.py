@@ -20,7 +20,6 @@ imports above the "joined from here" line only let this part read alone.
 """
 
 from kvpatch.runtime._fused_gluon import _fused_hopper_lang
-from kvpatch.runtime._fused_wgmma_pf import _fws_load_regs, _fws_regs_build
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
     _fg_kv_scales,
     _fg_online,
@@ -54,7 +53,6 @@ def _fused_wgmma_ws_build():
 def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmma_wait):
     # A kernel's callees are resolved among its module's globals.
     global _fws_convert, _fws_load, _fws_mma, _fws_qk, _fws_scores
-    _fws_regs_build(gluon, gl, fence_async_shared, mbarrier)  # wg_prefetch's loader
 
     @gluon.jit
     def _fws_convert(ring_b, pe_b, D: gl.constexpr, BN: gl.constexpr):
@@ -234,7 +232,6 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         BLOCK_N: gl.constexpr,
         DIRECT: gl.constexpr,
         LOADER_REGS: gl.constexpr,
-        PREFETCH: gl.constexpr,
         PART16: gl.constexpr,
     ):
         gl.static_assert(D == 512 and DPE == 64 and BLOCK_N == 64)
@@ -305,7 +302,7 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
                     ),
                 ),
                 (
-                    _fws_load_regs if PREFETCH else _fws_load,
+                    _fws_load,
                     (
                         kv,
                         table,

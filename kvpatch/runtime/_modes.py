@@ -17,10 +17,10 @@ import re
 
 import torch
 
+# 14: the 64-row kernel's split count fills the last wave of CTAs (FUSED_WGMMA_TUNING
+# "splits": "fill"); auto routes 64 heads to it too; the register-prefetch loader is gone
 # 13: the loader-partition 64-row kernel serves by default (FUSED_WGMMA_TUNING["ws"]); auto
-# routes 128 heads and 16 heads x 8 tokens to it (FUSED_AUTO_WGMMA); off: "wg_splits":
-# "fill" (splits that fill the last wave) and "wg_prefetch" (its loader holding the next
-# tile in registers)
+# routes 128 heads and 16 heads x 8 tokens to it (FUSED_AUTO_WGMMA)
 # 12: the 64-row kernel's variant with a loader warp partition (runtime part
 # _fused_wgmma_ws; off: "wg_ws" in a config)
 # 11: the split kernels' partials in f16 (FUSED_F16_PARTIALS; off)
@@ -34,7 +34,7 @@ import torch
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "13"
+__kvpatch_runtime_version__ = "14"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [

@@ -41,10 +41,12 @@ from kvpatch.runtime._fused_wgmma_ws import _fused_wgmma_ws_build
 FUSED_AUTO_ROWS = {(9, 0): 16}
 # And the (heads, query tokens) shapes the 64-row kernel (runtime part _fused_wgmma) serves
 # where it was measured faster than the gather at every batch bench_fused.py prints (GPU run
-# 50, H100, the loader kernel's probe beside the table's gather, us at 8 and 32 x 4k):
-# 16 x 4 draft tokens 38.2 and 107.4 against 53.9 and 166.8; 16 x 8 46.8 and 151.7 against
-# 60.6 and 183.2; 128 heads 47.0 and 154.8 against 60.5 and 183.8. 64 heads: never timed.
-FUSED_AUTO_WGMMA = {(9, 0): ((16, 4), (16, 8), (128, 1))}
+# 51, H100, the table's fused and gather, us at 8 and 32 x 4k, before its splits filled the
+# last wave, which took 0.66-1.0x that time in the same run's probe): 16 x 4 draft tokens
+# 39.1 and 108.3 against 54.6 and 167.6; 16 x 8 47.9 and 155.9 against 61.1 and 183.9;
+# 64 heads 38.9 and 109.1 against 54.2 and 167.6; 128 heads 47.7 and 158.4 against 60.1
+# and 182.8.
+FUSED_AUTO_WGMMA = {(9, 0): ((16, 4), (16, 8), (64, 1), (128, 1))}
 
 # FA3's flash_attn_with_kvcache: arguments the fused path reads (values checked below) and
 # arguments that only steer the original kernel's scheduling. Any other argument with a

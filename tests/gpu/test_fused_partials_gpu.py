@@ -3,7 +3,7 @@
     python3 -m pytest tests/gpu/test_fused_partials_gpu.py
 
 With them the split kernels write each split's partial output in f16 and leave the latent's
-FP8 scale to the combine. Each split kernel (Triton's, the 16-row Gluon one, the 64-row one)
+FP8 scale to the combine. Each split kernel (Triton's, the 16-row Gluon one, the 64-row one and its loader form)
 is checked against the fp32 reference with both FP8 scales applied, bit-identical twice, the
 same output within f16's rounding as with fp32 partials, a one-split launch writing the bits
 split + combine would, and a wrong latent scale failing the check. Off by default until these
@@ -39,14 +39,18 @@ pytestmark = pytest.mark.gpu
 KERNELS = [
     ("_fused_split_kernel", 8, 2, dict(RT.FUSED_TUNING["small"], gluon=False, wgmma=False)),
     ("_fused_gluon_split_kernel", 16, 1, dict(RT.FUSED_TUNING["small"], gluon=True)),
-    ("_fused_wgmma_split_kernel", 128, 1, dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=True)),
+    ("_fused_wgmma_split_kernel", 128, 1, dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=True, wg_ws=False)),
+    ("_fused_wgmma_ws_split_kernel", 128, 1, dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=True, wg_ws=True)),
 ]
 
 
 def _serves(name):
     if name == "_fused_split_kernel":
         return True
-    built = RT._fused_gluon_build() if "gluon" in name else RT._fused_wgmma_build()
+    if "gluon" in name:
+        built = RT._fused_gluon_build()
+    else:
+        built = RT._fused_wgmma_ws_build() if "_ws_" in name else RT._fused_wgmma_build()
     return bool(built) and torch.cuda.get_device_capability() in RT.FUSED_GLUON_CAPABILITY
 
 
@@ -76,8 +80,10 @@ def test_f16_partials_match_the_reference_and_the_fp32_partials(name, heads, tq,
     assert not ok(wrong, ref)
 
 
-@pytest.mark.parametrize("name,heads,tq,cfg", [k for k in KERNELS if k[0] != "_fused_gluon_split_kernel"],
-                         ids=["_fused_split_kernel", "_fused_wgmma_split_kernel"])
+ONE_SPLIT = [k for k in KERNELS if k[0] != "_fused_gluon_split_kernel"]
+
+
+@pytest.mark.parametrize("name,heads,tq,cfg", ONE_SPLIT, ids=[k[0] for k in ONE_SPLIT])
 def test_one_split_writes_the_bits_split_and_combine_would(name, heads, tq, cfg):
     """A one-split launch writes the output itself: with f16 partials it rounds through f16
     before the latent's scale, as the combine would. (The 16-row Gluon kernel always splits.)"""
