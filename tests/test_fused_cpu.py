@@ -194,6 +194,24 @@ def _aot_compiled(flag, dump=None, more=()):
             for line in res.stdout.splitlines() if line.startswith(flag[2:] + " ")]
 
 
+def test_gluon_kernel_launches_with_a_register_cap_only_when_its_tuning_sets_one(monkeypatch):
+    """FUSED_GLUON_TUNING's maxnreg (None: the compiler's count) becomes the launch's
+    maxnreg option, which four CTAs an SM need; unset, no option is passed."""
+    fz = load_fused()
+    geometry = (16, 1, 512, 64, True, False, torch.device("cuda", 0), {"gluon": True}, None, 32)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(fz, "_fused_gluon_build", lambda: "gluon")
+    monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
+    launches = {}
+    for cap in (None, 128):
+        monkeypatch.setitem(fz.FUSED_GLUON_TUNING, "maxnreg", cap)
+        kernel, _, n_splits, launch, rows = fz._fused_gluon_choice(geometry, (1, True, False, False))
+        assert kernel == "gluon" and rows == 16 and n_splits > 1
+        launches[cap] = dict(launch)
+    assert "maxnreg" not in launches[None] and launches[128]["maxnreg"] == 128
+    assert {k: v for k, v in launches[128].items() if k != "maxnreg"} == launches[None]
+
+
 def test_gluon_kernel_only_on_the_triton_and_gpu_it_has_run_on(monkeypatch):
     """Gluon's API moves between Triton releases and its tiles are tuned per GPU: another
     Triton version or GPU gets the Triton kernel (slower, never wrong), decided before any

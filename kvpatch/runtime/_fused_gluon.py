@@ -39,13 +39,15 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
 # Fused FP8 MLA attention: the Gluon split kernel (16 heads, one query token a request)
 
 # Its launch constants (GPU run 43): 32 positions a step, two stages, a grid of three CTAs
-# an SM (168 registers, 45 KB shared: three fit).
+# an SM (168 registers, 45 KB shared: three fit). maxnreg: a register cap a thread (None:
+# the compiler's 168), which four CTAs an SM need (128: ptxas spills 232 bytes a thread).
 FUSED_GLUON_TUNING = {
     "block_n": 32,
     "num_stages": 2,
     "num_warps": 4,
     "ctas_per_sm": 3,
     "min_split": 64,
+    "maxnreg": None,
 }
 _fused_gluon = None  # the kernel, built on first use; False: no Gluon here
 # Where the Gluon kernel has run on a GPU (its GPU tests, verify, the benchmark). Gluon is
@@ -93,6 +95,8 @@ def _fused_gluon_choice(geometry, consts):
         STAGES=cfg["num_stages"],
         num_warps=cfg["num_warps"],
     )
+    if cfg["maxnreg"]:
+        launch["maxnreg"] = cfg["maxnreg"]
     return kernel, cfg, n_splits, tuple(launch.items()), 16
 
 
