@@ -182,6 +182,25 @@ def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
         assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
 
 
+def test_combine_keeps_its_sum_over_splits_within_warps_for_f16_partials_too():
+    """The combine kernel compiled for sm_90a (tools/fused_aot.py --combine) at the tiles
+    fused_mla's plan picks: over f16 partials (FUSED_F16_PARTIALS) it lays its warps out as
+    over fp32 ones. A tile of 512 columns (up to 16 splits) sums its splits within each
+    thread, no shared memory; f16 loads of 8 values a thread had put two warps on each
+    column block, and the sum crossed them through 4 KB of shared memory (GPU run 50's f16
+    combine took 1.4-2.5x the fp32 one's time)."""
+    rows = _aot_compiled("--combine")
+    assert len(rows) == 10, rows
+    by_tile = {}
+    for line, regs, spill, smem in rows:
+        assert spill == 0, line
+        by_tile.setdefault(line.split(" partials")[0].rsplit(" ", 1)[0], []).append((smem, line))
+    for tile, ((fp32, _), (f16, line)) in by_tile.items():
+        assert f16 <= fp32, line
+        if "x512" in tile:
+            assert fp32 == 0 and f16 == 0, line
+
+
 def _aot_compiled(flag, dump=None, more=()):
     """tools/fused_aot.py FLAG's report (MORE: further options), a (line, registers, spilled
     bytes, shared bytes) a compiled variant (the lines that start with FLAG's kernel name)."""

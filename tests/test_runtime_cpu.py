@@ -534,7 +534,7 @@ def test_version_stamps_are_literal_strings():
             for t in node.targets:
                 if isinstance(t, ast.Name):
                     found[t.id] = node.value.value
-    assert found["__kvpatch_runtime_version__"] == "14"
+    assert found["__kvpatch_runtime_version__"] == "15"
     assert isinstance(found["__kvpatch_version__"], str) and found["__kvpatch_version__"]
 
 

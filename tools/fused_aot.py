@@ -3,6 +3,7 @@
 
     python tools/fused_aot.py [--heads 16] [--tq 1] [--configs "BM,BN,WARPS,STAGES,MAXNREG;..."]
     python tools/fused_aot.py --gluon    # the Gluon split kernel (runtime part _fused_gluon)
+    python tools/fused_aot.py --combine  # the combine kernel over fp32 and f16 partials
 
 Triton compiles ahead of time for a target it is told (GPUTarget("cuda", 90, 32)), and the
 ptxas that its wheel carries reports what the kernel uses; the occupancy follows (registers
@@ -126,6 +127,31 @@ def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=N
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
+def compile_combine(n_splits, part16, dump=None):
+    """The combine kernel (runtime part _fused_kernels) at the tile fused_mla's plan picks for
+    n_splits, over fp32 or f16 partials (FUSED_F16_PARTIALS): its registers, spills and
+    shared memory (shared memory: a sum over splits that crosses warps)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rt = _fused()
+    kernel = rt._fused_build()[1]
+    sb, db = rt._fused_combine_tile(n_splits, 512)
+    const = dict(H=16, TQ=1, D=512, PS=1, BY_INDPTR=True, BLOCK_N=64, SB=sb, DB=db, APPLY_CKV=part16)
+    types = dict(part_o="*fp16" if part16 else "*fp32", part_lse="*fp32", lens="*i32", out="*bf16",
+                 ckv_scale="*fp32")
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4})
+    _dump(dump, f"combine_s{n_splits}{'_p16' if part16 else ''}", k)
+    regs, spill = _ptxas(k.asm["ptx"])
+    return dict(regs=regs, spill=spill, smem=int(k.metadata.shared), sb=sb, db=db)
+
+
 def _ptxas(ptx, maxnreg=None):
     """(registers, spilled bytes) that the ptxas Triton's wheel carries reports for sm_90a."""
     import triton
@@ -151,6 +177,7 @@ def main(argv=None):
     ap.add_argument("--gluon", action="store_true", help="the runtime's Gluon split kernel instead, every variant")
     ap.add_argument("--wgmma", action="store_true", help="the 64-row warpgroup-MMA kernel, every variant")
     ap.add_argument("--ws", action="store_true", help="with --wgmma: its variant with a loader partition")
+    ap.add_argument("--combine", action="store_true", help="the combine kernel at several split counts")
     args = ap.parse_args(argv)
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))
@@ -168,6 +195,14 @@ def main(argv=None):
                   f"{'kv_indptr' if by_indptr else 'page table'} "
                   f"scales {scales}{' lean' if lean else ''}{' part16' if p16 else ''}: {r['regs']} regs, "
                   f"{r['spill']} B spilled, {r['smem']} B shared", flush=True)
+        return 0
+    if args.combine:
+        # Split counts of the table's shapes: 128h 32 x 4k, 128h 8 x 4k, 16h 32 x 4k, 8 x 4k, 1 x 4k
+        for n_splits in (2, 8, 12, 49, 64):
+            for p16 in (False, True):
+                r = compile_combine(n_splits, p16, args.dump)
+                print(f"combine splits {n_splits} tile {r['sb']}x{r['db']} {'f16' if p16 else 'fp32'} partials: "
+                      f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     if args.gluon:
         # The last: f16 partials (PART16, not the default)

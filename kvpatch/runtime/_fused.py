@@ -73,6 +73,13 @@ _fused_plans = {}  # a call's geometry -> its launch plan (see fused_mla)
 _fused_last = {}
 
 
+def _fused_combine_tile(n_splits, d):
+    """The combine's (SB, DB): the splits read at once (a power of two, at most 64) and
+    the columns a program merges."""
+    sb = min(64, 1 << max(0, n_splits - 1).bit_length())
+    return sb, min(d, _FUSED_COMBINE_TILE // sb)
+
+
 def _fused_bucket(m_rows):
     return "small" if m_rows <= 16 else "large"
 
@@ -289,8 +296,7 @@ def _fused_plan(q_nope, q_pe, kv_buffer, out, table, key, config):
         )
     # One split: the split kernel writes the output itself (no combine launch).
     direct = n_splits == 1 and cfg.get("direct", True)
-    comb_sb = min(64, 1 << max(0, n_splits - 1).bit_length())
-    comb_db = min(d, _FUSED_COMBINE_TILE // comb_sb)
+    comb_sb, comb_db = _fused_combine_tile(n_splits, d)
     # A cached plan's ident stands for its constants in the launch key (a one-off config's
     # plan is not cached and has none: the launch keys on its constants).
     ident = _launch_ident("fused") if config is None else None

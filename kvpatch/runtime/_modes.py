@@ -17,6 +17,9 @@ import re
 
 import torch
 
+# 15: the combine reads its columns in runs of 4, so over f16 partials (FUSED_F16_PARTIALS,
+# off) it sums the splits within warps as over fp32 ones; the Gluon kernel's register cap
+# (FUSED_GLUON_TUNING["maxnreg"], unset)
 # 14: the 64-row kernel's split count fills the last wave of CTAs (FUSED_WGMMA_TUNING
 # "splits": "fill"); auto routes 64 heads to it too; the register-prefetch loader is gone
 # 13: the loader-partition 64-row kernel serves by default (FUSED_WGMMA_TUNING["ws"]); auto
@@ -34,7 +37,7 @@ import torch
 # 5: routed FlashInfer MLA run() calls (mla_run); plan_rows keeps the plan's kv_indptr
 # 4: routed kernel calls (paged_attention) and the fused FP8 attention (fused_mla)
 # 3: the k and v of one shape get their own shadows (2 shared one: v overwrote k)
-__kvpatch_runtime_version__ = "14"
+__kvpatch_runtime_version__ = "15"
 __kvpatch_version__ = "0.1.0"
 
 __all__ = [
