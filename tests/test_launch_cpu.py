@@ -367,3 +367,27 @@ def test_fused_mla_refuses_a_pool_that_is_not_e4m3_before_anything_runs(rt, dtyp
     indptr, idx = torch.tensor([0, 4], dtype=torch.int32), torch.arange(4, dtype=torch.int32)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         rt.fused_mla(q[..., :512], q[..., 512:], pool, out, 0.1, kv_indptr=indptr, kv_indices=idx)
+
+
+def test_host_proxy_drives_every_routed_call_down_the_fused_path(tmp_path):
+    """tools/host_proxy.py (the runtime's per-call Python on the CPU, between device sessions)
+    stays in step with the runtime: its CUDA checks are found to point at the CPU, and every
+    routed call it times takes the fused path (a call that fell back would hit its kernel,
+    which raises) and launches through the cached C launch, the no-op stand-in."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "host_proxy.py"
+    spec = importlib.util.spec_from_file_location("host_proxy", path)
+    hp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hp)
+    proxy = hp.load_proxy(tmp_path)
+    calls = hp.calls(proxy)
+    assert len(calls) == 6
+    for name, fn in calls.items():
+        fn()
+        fn()  # the second call: the plan and the launch are cached
+    # A plan per fused geometry: fused_mla's two, the routed FA3 call's, mla_run's; the XPU
+    # decode's page table, pool view and output are the FA3 call's geometry.
+    assert len(proxy._fused_plans) == 4
+    assert proxy._launch_compiled and all(hit[2] is not None for hit in proxy._launch_compiled.values())

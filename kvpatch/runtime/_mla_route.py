@@ -74,7 +74,8 @@ def mla_run(run, *args, **kw):
         if name in kw:
             named[name] = kw[name]
     q, ckv, kpe = named.get("q_nope"), named.get("ckv_cache"), named.get("kpe_cache")
-    if not all(isinstance(t, torch.Tensor) for t in (q, ckv, kpe)):
+    T = torch.Tensor  # per call: no generator (host time)
+    if not (isinstance(q, T) and isinstance(ckv, T) and isinstance(kpe, T)):
         return run(*args, **kw)
     if ckv.dtype == q.dtype and kpe.dtype == q.dtype:
         # Cast already (KVPATCH_MODE=off), a bf16 pool, or the DCP branch's own buffer.
@@ -117,7 +118,7 @@ def _mla_call(run, args, kw, ckv, kpe):
 def _mla_fused_inputs(wrapper, named, args, kw, pool):
     """(indptr, indices, sm_scale) when the fused path computes exactly what the wrapper's
     planned run() would for this call, else None. The fused path is CUDA-only."""
-    if pool.device.type != "cuda":
+    if not pool.is_cuda:
         return None
     return _mla_contract(wrapper, named, args, kw, pool.device)
 

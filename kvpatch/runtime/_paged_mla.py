@@ -148,7 +148,7 @@ def _pm_pool_of(cache):
 
 def _pm_fused_ok(b, pool):
     """Whether the fused path (CUDA only) computes exactly what flash_mla_decode would."""
-    return pool.device.type == "cuda" and _pm_contract(b, pool)
+    return pool.is_cuda and _pm_contract(b, pool)
 
 
 def _pm_contract(b, pool):

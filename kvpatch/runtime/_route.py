@@ -112,7 +112,8 @@ def paged_attention(kernel, *args, **kw):
     """kernel(*args, **kw) for a page-table kernel (FA3's flash_attn_with_kvcache) whose
     caches may come uncast from kv_for_routed_kernel."""
     k, v, q = kw.get("k_cache"), kw.get("v_cache"), kw.get("q")
-    if not all(isinstance(t, torch.Tensor) for t in (k, v, q)):
+    T = torch.Tensor  # per call: no generator (host time)
+    if not (isinstance(k, T) and isinstance(v, T) and isinstance(q, T)):
         return kernel(*args, **_cast_fp8_args(kw, q))
     if k.dtype == q.dtype and v.dtype == q.dtype:
         return kernel(*args, **kw)  # cast already (KVPATCH_MODE=off), or a bf16 pool
@@ -260,7 +261,7 @@ def _fused_shape(kw, pool):
     """(heads, query tokens per request, batch) when the fused path computes exactly what
     FA3 would for this call, else None. Runs on every routed call: kept to plain reads.
     """
-    if pool is None or pool.device.type != "cuda" or not _FA3_KNOWN.issuperset(kw):
+    if pool is None or not pool.is_cuda or not _FA3_KNOWN.issuperset(kw):
         return None
     for name in _FA3_NONE_SET.intersection(kw):
         if kw[name] is not None:
