@@ -27,10 +27,7 @@ from kvpatch.runtime._fused_ops import (  # globals once _fused_build_ops has ru
 
 
 # ---------------------------------------------------------------------------
-# Fused FP8 MLA attention: the kernels
-#
-# Fused FP8 MLA attention: reads the FP8 latent pool in place, no bf16 copy (issue 17).
-#
+# Fused FP8 MLA attention, the kernels: they read the FP8 latent pool in place (issue 17).
 # The gathered cast moves 576 B (FP8 read) + 1,152 B (bf16 write) + 1,152 B (the kernel's
 # bf16 read) a row; this kernel reads each row's 576 FP8 bytes and dequantises them in
 # registers. Rows come through the index structures the original kernel is given:
@@ -47,9 +44,8 @@ from kvpatch.runtime._fused_ops import (  # globals once _fused_build_ops has ru
 # FA3 do. Masked or out-of-pool rows are never loaded: poison outside the rows read cannot
 # leak.
 
-_fused_kernels = (
-    None  # (split kernel, combine kernel), built on first use; False: no Triton
-)
+# (split kernel, combine kernel), built on first use; False: no Triton
+_fused_kernels = None
 
 
 def _fused_build():
