@@ -173,6 +173,8 @@ def test_sabotage_a_stale_length_in_the_page_cast_fails_the_comparison(rt, monke
 class _OnCuda:
     """A pool stand-in that reports a CUDA device (the contract check reads only that)."""
 
+    is_cuda = True
+
     def __init__(self, pool):
         self.device, self.shape = torch.device("cuda", 0), pool.shape
 
