@@ -16,8 +16,9 @@ a check fails. Compile-only, no GPU: python tools/fused_aot.py --gluon.
     python gpu/gluon_mla_probe.py [--sweep]
 
 --sweep also times the Gluon kernel at each launch tuning of SWEEP (FUSED_GLUON_TUNING's
-CTAs an SM, fewest positions a split, stages; block_n stays 32: its layouts are built for
-it), per shape against the bf16 kernel, and prints the best by geometric mean.
+CTAs an SM, fewest positions a split, stages, register cap, rows a copy instruction covers;
+block_n stays 32: its layouts are built for it), per shape against the bf16 kernel, each
+checked against the fp32 reference, and prints the best by geometric mean.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from kvpatch.verify.judge import FUSED_REL_TOL, vector_rel_err  # noqa: E402
 
 TOL = FUSED_REL_TOL  # per output vector, against fp32 (verify's and the GPU tests')
 SHAPES = ((1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192))
-# (ctas_per_sm, min_split, num_stages, maxnreg) for --sweep. Runs 47 and 49 (notes/gpu-runs.md):
+# (ctas_per_sm, min_split, num_stages, maxnreg, copy_rows) for --sweep. Runs 47 and 49 (notes/gpu-runs.md):
 # the committed (3, 64, 2) best or within 2% of (2, 64, 2), (3, 128, 2), (3, 32, 2) and
 # (3, 64, 3) but at 8 x 4k (2 CTAs: 4% less). Run 49 also timed the page indices a step
 # ahead: 1-3% slower, removed. ncu (run 51): latency-bound at 3 CTAs (12 warps an SM, 0.5
 # eligible a scheduler, DRAM 55%); four CTAs need 128 registers a thread (232 B spilled).
-SWEEP = [(3, 64, 2, None), (4, 64, 2, 128), (2, 64, 2, None)]
+# copy_rows 8 (session 20, not run): three barriers a step fewer (tools/fused_aot.py --gluon).
+SWEEP = [(3, 64, 2, None, 4), (3, 64, 2, None, 8), (4, 64, 2, 128, 4), (4, 64, 2, 128, 8), (2, 64, 2, None, 4)]
 
 
 def main(argv=None):
@@ -94,7 +96,7 @@ def main(argv=None):
     if sweep:
         ranked = sorted(tuned.items(), key=lambda kv: sum(math.log(r) for r in kv[1]))
         for t, ratios in ranked[:5]:
-            print(f"sweep top: ctas_per_sm {t[0]} min_split {t[1]} stages {t[2]} maxnreg {t[3]}: "
+            print(f"sweep top: ctas_per_sm {t[0]} min_split {t[1]} stages {t[2]} maxnreg {t[3]} copy_rows {t[4]}: "
                   + " ".join(f"{r:.2f}x" for r in ratios) + " bf16", flush=True)
     return 0 if ok_all else 1
 
@@ -109,15 +111,16 @@ def sweep_shape(rt, run, bf16, tuned, head, error):
     good = True
     try:
         for t in SWEEP:
-            ctas, min_split, stages, maxnreg = t
+            ctas, min_split, stages, maxnreg, rows = t
             rt.FUSED_GLUON_TUNING = dict(committed, ctas_per_sm=ctas, min_split=min_split, num_stages=stages,
-                                         maxnreg=maxnreg)
+                                         maxnreg=maxnreg, copy_rows=rows)
             err = error(run(cfg=cfg))
             good &= err < TOL
             us = graph_ms(lambda: run(cfg=cfg)) * 1e3
             kname = split_kernel_name(rt)  # a one-split batch keeps the Triton kernel: said
             tuned[t].append(us / bf16)
-            print(f"    {head} ctas {ctas} min_split {min_split} stages {stages} maxnreg {maxnreg}: {us:7.1f} us "
+            print(f"    {head} ctas {ctas} min_split {min_split} stages {stages} maxnreg {maxnreg} copy_rows {rows}: "
+                  f"{us:7.1f} us "
                   f"({us / bf16:.2f}x bf16, {kname}) err {err:.1e}{'' if err < TOL else ' FAILED'}", flush=True)
     finally:
         rt.FUSED_GLUON_TUNING = committed

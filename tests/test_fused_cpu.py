@@ -177,9 +177,25 @@ def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
     the budget the plan assumes holds: no spills, three CTAs an SM by registers and shared
     memory. (The numerics are GPU tests: tests/gpu/test_fused_gpu.py.)"""
     rows = _aot_compiled("--gluon")
-    assert len(rows) == 6 and sum(" part16:" in line for line, *_ in rows) == 1, rows
+    assert len(rows) == 8 and sum(" part16:" in line for line, *_ in rows) == 1, rows
+    assert sum(" copy8:" in line for line, *_ in rows) == 2, rows
     for line, regs, spill, smem in rows:
         assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
+
+
+def test_gluon_copies_of_eight_rows_a_warp_drop_the_slot_exchange(tmp_path):
+    """FUSED_GLUON_TUNING's copy_rows 8 (not yet the default): the latent's copies cover 8
+    rows a warp, the rope's layout, so a row's slot is in the same threads for both and its
+    conversion is assert_trivial (the build fails otherwise). Compiled for sm_90a, that is
+    three barriers and the shared round trips of the slots and their masks fewer, the rest of
+    the kernel alike: the same MMAs, conversions and copies."""
+    _aot_compiled("--gluon", dump=tmp_path)
+    for base in ("gluon_ps1_indptr_s0", "gluon_ps64_table_s1"):
+        four, eight = ((tmp_path / f"{base}{tag}.ptx").read_text() for tag in ("", "_copy8"))
+        assert eight.count("bar.sync") == four.count("bar.sync") - 3, base
+        assert eight.count("st.shared") < four.count("st.shared"), base
+        for op in ("mma.sync", "cvt.rn.f16x2.e4m3x2", "cp.async.cg", "ldmatrix"):
+            assert eight.count(op) == four.count(op) > 0, (base, op)
 
 
 def test_combine_keeps_its_sum_over_splits_within_warps_for_f16_partials_too():
@@ -229,6 +245,12 @@ def test_gluon_kernel_launches_with_a_register_cap_only_when_its_tuning_sets_one
         launches[cap] = dict(launch)
     assert "maxnreg" not in launches[None] and launches[128]["maxnreg"] == 128
     assert {k: v for k, v in launches[128].items() if k != "maxnreg"} == launches[None]
+    # copy_rows: 4 by default (the layout the GPU runs timed), 8 on request
+    assert launches[None]["COPY8"] is False
+    monkeypatch.setitem(fz.FUSED_GLUON_TUNING, "maxnreg", None)
+    monkeypatch.setitem(fz.FUSED_GLUON_TUNING, "copy_rows", 8)
+    eight = dict(fz._fused_gluon_choice(geometry, (1, True, False, False))[3])
+    assert eight == dict(launches[None], COPY8=True)
 
 
 def test_gluon_kernel_only_on_the_triton_and_gpu_it_has_run_on(monkeypatch):

@@ -68,16 +68,19 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
 
 
-def compile_gluon(ps, by_indptr, scales, dump=None, part16=False):
+def compile_gluon(ps, by_indptr, scales, dump=None, part16=False, copy_rows=None):
     """The runtime's Gluon split kernel (runtime part _fused_gluon) for sm_90a: registers,
     spills, shared memory. Its operand layout conversions are assert_trivial: a layout that
-    would move data between threads fails here, not on a device."""
+    would move data between threads fails here, not on a device. copy_rows: the tuning's
+    copy_rows (4 or 8), its own by default."""
     rt = _fused()
     kernel = rt._fused_gluon_build()
     tune = rt.FUSED_GLUON_TUNING
+    rows = copy_rows or tune["copy_rows"]
     const = dict(H=16, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, HAS_CKV_SCALE=scales, HAS_KPE_SCALE=scales,
-                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"], PART16=part16)
-    tag = f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}{'_p16' if part16 else ''}"
+                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"], PART16=part16, COPY8=rows == 8)
+    tag = (f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}{'_p16' if part16 else ''}"
+           f"{'_copy8' if rows == 8 else ''}")
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
 
@@ -205,13 +208,16 @@ def main(argv=None):
                       f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     if args.gluon:
-        # The last: f16 partials (PART16, not the default)
-        for ps, by_indptr, scales, p16 in ((1, True, False, False), (16, True, False, False), (1, False, True, False),
-                                           (16, False, False, False), (64, False, True, False), (64, False, True, True)):
-            r = compile_gluon(ps, by_indptr, scales, args.dump, p16)
+        # The last three: f16 partials (PART16), then copies of 8 rows a warp (copy_rows 8), not
+        # the defaults
+        for ps, by_indptr, scales, p16, rows in (
+                (1, True, False, False, 4), (16, True, False, False, 4), (1, False, True, False, 4),
+                (16, False, False, False, 4), (64, False, True, False, 4), (64, False, True, True, 4),
+                (1, True, False, False, 8), (64, False, True, False, 8)):
+            r = compile_gluon(ps, by_indptr, scales, args.dump, p16, rows)
             print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}"
-                  f"{' part16' if p16 else ''}: {r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared",
-                  flush=True)
+                  f"{' part16' if p16 else ''}{' copy8' if rows == 8 else ''}: {r['regs']} regs, "
+                  f"{r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     try:
         kernel = _fused()._fused_build()[0]

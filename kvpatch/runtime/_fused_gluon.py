@@ -9,17 +9,17 @@ q in every warp (GPU run 34: ~47 shared wavefronts a row). The QK contraction is
 across the four warps by latent chunk (warp w: latent dims 128 w.., rope dims 16 w..); the
 partial scores are summed through shared memory, a quarter of the columns a warp; warp w's PV
 runs on its own chunk. Same split-KV partials as the Triton kernel, merged by its combine.
-GPU run 43 (the standalone probe of 1bfe715, H100): 0.80-0.96x the Triton kernel's time at 16 heads;
-in the runtime (run 44): 0.62-0.86x FlashInfer's bf16 kernel. It serves by default.
+GPU runs 43-44 (H100): 0.80-0.96x the Triton kernel's time at 16 heads, 0.62-0.86x
+FlashInfer's bf16 kernel in the runtime. It serves by default.
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); the
 imports above the "joined from here" line only let this part read alone.
 """
 
-import torch
-
 from kvpatch.runtime._fused_kernels import _fused_sm_count, _fused_split_count
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
+    _fused_gluon_device,
+    _fused_gluon_lang,
     _fg_finish,
     _fg_k3,
     _fg_kv_scales,
@@ -41,6 +41,7 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
 # Its launch constants (GPU run 43): 32 positions a step, two stages, a grid of three CTAs
 # an SM (168 registers, 45 KB shared: three fit). maxnreg: a register cap a thread (None:
 # the compiler's 168), which four CTAs an SM need (128: ptxas spills 232 bytes a thread).
+# copy_rows: rows a warp's copy instruction covers, 4 or 8 (8: 3 barriers a step fewer).
 FUSED_GLUON_TUNING = {
     "block_n": 32,
     "num_stages": 2,
@@ -48,13 +49,9 @@ FUSED_GLUON_TUNING = {
     "ctas_per_sm": 3,
     "min_split": 64,
     "maxnreg": None,
+    "copy_rows": 4,
 }
 _fused_gluon = None  # the kernel, built on first use; False: no Gluon here
-# Where the Gluon kernel has run on a GPU (its GPU tests, verify, the benchmark). Gluon is
-# experimental and its API moves between Triton releases, and mma.sync tiles are tuned per
-# GPU: another Triton or GPU keeps the Triton kernel, which is slower, never wrong.
-FUSED_GLUON_TRITON = ("3.6.",)
-FUSED_GLUON_CAPABILITY = ((9, 0),)
 # On since its GPU tests and verify on the real trees passed (GPU runs 44-46, H100: 0.62-0.86x
 # FlashInfer's bf16 kernel at 16 heads, against 0.74-0.96x for the Triton kernel): a config
 # with "gluon": False keeps the Triton kernel.
@@ -93,53 +90,12 @@ def _fused_gluon_choice(geometry, consts):
         HAS_KPE_SCALE=has_kpe,
         BLOCK_N=cfg["block_n"],
         STAGES=cfg["num_stages"],
+        COPY8=cfg["copy_rows"] == 8,
         num_warps=cfg["num_warps"],
     )
     if cfg["maxnreg"]:
         launch["maxnreg"] = cfg["maxnreg"]
     return kernel, cfg, n_splits, tuple(launch.items()), 16
-
-
-def _fused_gluon_device(device):
-    """Whether a Gluon kernel may serve on device: a CUDA GPU of a capability it has run on."""
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) in FUSED_GLUON_CAPABILITY
-    )
-
-
-def _fused_gluon_lang():
-    """(gluon, gl) where this Triton is one the Gluon kernels have run on, else None."""
-    try:
-        import triton
-
-        if not triton.__version__.startswith(FUSED_GLUON_TRITON):
-            return None
-        from triton.experimental import gluon
-        from triton.experimental.gluon import language as gl
-    except Exception:
-        return None
-    return gluon, gl
-
-
-def _fused_hopper_lang():
-    """(gluon, gl, async_copy, fence_async_shared, mbarrier, warpgroup_mma,
-    warpgroup_mma_wait) for the 64-row kernels, device functions built; or None."""
-    lang = _fused_gluon_lang()
-    try:
-        from triton.experimental.gluon.language.nvidia import hopper
-    except Exception:
-        lang = None
-    if lang is None:
-        return None
-    _fused_gluon_build_ops(*lang)
-    return lang + (
-        hopper.async_copy,
-        hopper.fence_async_shared,
-        hopper.mbarrier,
-        hopper.warpgroup_mma,
-        hopper.warpgroup_mma_wait,
-    )
 
 
 def _fused_gluon_build():
@@ -193,6 +149,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
         PART16: gl.constexpr,
+        COPY8: gl.constexpr,
     ):
         BN: gl.constexpr = BLOCK_N
         C: gl.constexpr = D // 4
@@ -204,8 +161,10 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         # The scores summed over the warps' partials in-thread, a quarter of the columns a warp.
         rs3: gl.constexpr = gl.BlockedLayout([4, 2, 2], [1, 8, 4], [1, 1, 4], [2, 1, 0])
         s_l: gl.constexpr = gl.SliceLayout(0, rs3)
+        # Copies of 16 bytes a thread. COPY8 (8 rows a warp): a row's slot is in the same
+        # threads for latent and rope; 4 rows a warp cost 3 barriers and a shared round trip.
         cp3: gl.constexpr = gl.BlockedLayout(
-            [1, 1, 16], [1, 4, 8], [1, 4, 1], [2, 1, 0]
+            [1, 1, 16], [1, 8, 4] if COPY8 else [1, 4, 8], [1, 4, 1], [2, 1, 0]
         )
         cp_pe: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -327,8 +286,12 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
             async_copy.async_copy_global_to_shared(
                 kv_s.index(u % STAGES), row, mask=ok[None, :, None]
             )
-            slot_pe = gl.convert_layout(slot, gl.SliceLayout(1, cp_pe))
-            ok_pe = gl.convert_layout(ok, gl.SliceLayout(1, cp_pe))
+            slot_pe = gl.convert_layout(
+                slot, gl.SliceLayout(1, cp_pe), assert_trivial=COPY8
+            )
+            ok_pe = gl.convert_layout(
+                ok, gl.SliceLayout(1, cp_pe), assert_trivial=COPY8
+            )
             pe_row = kv + slot_pe[:, None] * stride_kv + D + cpe[None, :]
             async_copy.async_copy_global_to_shared(
                 pe_s.index(u % STAGES), pe_row, mask=ok_pe[:, None]

@@ -1,14 +1,69 @@
-"""A part of the kvpatch runtime: the device functions of the Gluon split kernels (issue 17):
-what both kernels share (a split's positions, q's power-of-two scale, the FP8 scales, the
-online softmax step and its finish), the 64-row kernels' q in shared memory and their output,
-and the 16-row kernel's q operand and staged FP8 tiles read as its MMA operands. The kernels
-are the next parts, _fused_gluon, _fused_wgmma and _fused_wgmma_ws.
+"""A part of the kvpatch runtime: the Gluon language the split kernels are built from, where
+it may serve, and their device functions (issue 17): what the kernels share (a split's
+positions, q's power-of-two scale, the FP8 scales, the online softmax step and its finish),
+the 64-row kernels' q in shared memory and their output, and the 16-row kernel's q operand
+and staged FP8 tiles read as its MMA operands. The kernels are the next parts, _fused_gluon,
+_fused_wgmma and _fused_wgmma_ws.
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); nothing
 above the "joined from here" line is kept.
 """
 
+import torch
+
 # -- joined from here --
+
+
+# ---------------------------------------------------------------------------
+# Fused FP8 MLA attention: the Gluon language, and the Gluon kernels' device functions
+
+# Where the Gluon kernel has run on a GPU (its GPU tests, verify, the benchmark). Gluon is
+# experimental and its API moves between Triton releases, and mma.sync tiles are tuned per
+# GPU: another Triton or GPU keeps the Triton kernel, which is slower, never wrong.
+FUSED_GLUON_TRITON = ("3.6.",)
+FUSED_GLUON_CAPABILITY = ((9, 0),)
+
+
+def _fused_gluon_device(device):
+    """Whether a Gluon kernel may serve on device: a CUDA GPU of a capability it has run on."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) in FUSED_GLUON_CAPABILITY
+    )
+
+
+def _fused_gluon_lang():
+    """(gluon, gl) where this Triton is one the Gluon kernels have run on, else None."""
+    try:
+        import triton
+
+        if not triton.__version__.startswith(FUSED_GLUON_TRITON):
+            return None
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+    except Exception:
+        return None
+    return gluon, gl
+
+
+def _fused_hopper_lang():
+    """(gluon, gl, async_copy, fence_async_shared, mbarrier, warpgroup_mma,
+    warpgroup_mma_wait) for the 64-row kernels, device functions built; or None."""
+    lang = _fused_gluon_lang()
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper
+    except Exception:
+        lang = None
+    if lang is None:
+        return None
+    _fused_gluon_build_ops(*lang)
+    return lang + (
+        hopper.async_copy,
+        hopper.fence_async_shared,
+        hopper.mbarrier,
+        hopper.warpgroup_mma,
+        hopper.warpgroup_mma_wait,
+    )
 
 
 _fused_gluon_ops_built = False

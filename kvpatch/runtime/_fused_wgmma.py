@@ -20,7 +20,7 @@ Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there)
 imports above the "joined from here" line only let this part read alone.
 """
 
-from kvpatch.runtime._fused_gluon import _fused_gluon_device, _fused_hopper_lang
+from kvpatch.runtime._fused_gluon_ops import _fused_gluon_device, _fused_hopper_lang
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
     _fg_kv_scales,
     _fg_online,
