@@ -40,13 +40,15 @@ from kvpatch.verify.judge import FUSED_REL_TOL, vector_rel_err  # noqa: E402
 
 TOL = FUSED_REL_TOL  # per output vector, against fp32 (verify's and the GPU tests')
 SHAPES = ((1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192))
-# (ctas_per_sm, min_split, num_stages, maxnreg, copy_rows) for --sweep. Runs 47 and 49 (notes/gpu-runs.md):
+# (ctas_per_sm, min_split, num_stages, maxnreg, copy_rows, bcast_scores) for --sweep. Runs 47 and 49 (notes/gpu-runs.md):
 # the committed (3, 64, 2) best or within 2% of (2, 64, 2), (3, 128, 2), (3, 32, 2) and
 # (3, 64, 3) but at 8 x 4k (2 CTAs: 4% less). Run 49 also timed the page indices a step
 # ahead: 1-3% slower, removed. ncu (run 51): latency-bound at 3 CTAs (12 warps an SM, 0.5
 # eligible a scheduler, DRAM 55%); four CTAs need 128 registers a thread (232 B spilled).
-# copy_rows 8 (session 20, not run): three barriers a step fewer (tools/fused_aot.py --gluon).
-SWEEP = [(3, 64, 2, None, 4), (3, 64, 2, None, 8), (4, 64, 2, 128, 4), (4, 64, 2, 128, 8), (2, 64, 2, None, 4)]
+# copy_rows 8 and bcast_scores (session 20, not run): 3 and 8 barriers a step fewer
+# (tools/fused_aot.py --gluon); bcast_scores at the 168-register cap (184 uncapped).
+SWEEP = [(3, 64, 2, None, 4, False), (3, 64, 2, None, 8, False), (3, 64, 2, 168, 8, True),
+         (4, 64, 2, 128, 4, False), (2, 64, 2, None, 4, False)]
 
 
 def main(argv=None):
@@ -96,7 +98,8 @@ def main(argv=None):
     if sweep:
         ranked = sorted(tuned.items(), key=lambda kv: sum(math.log(r) for r in kv[1]))
         for t, ratios in ranked[:5]:
-            print(f"sweep top: ctas_per_sm {t[0]} min_split {t[1]} stages {t[2]} maxnreg {t[3]} copy_rows {t[4]}: "
+            print(f"sweep top: ctas_per_sm {t[0]} min_split {t[1]} stages {t[2]} maxnreg {t[3]} copy_rows {t[4]} "
+                  f"bcast {t[5]}: "
                   + " ".join(f"{r:.2f}x" for r in ratios) + " bf16", flush=True)
     return 0 if ok_all else 1
 
@@ -111,15 +114,16 @@ def sweep_shape(rt, run, bf16, tuned, head, error):
     good = True
     try:
         for t in SWEEP:
-            ctas, min_split, stages, maxnreg, rows = t
+            ctas, min_split, stages, maxnreg, rows, bcast = t
             rt.FUSED_GLUON_TUNING = dict(committed, ctas_per_sm=ctas, min_split=min_split, num_stages=stages,
-                                         maxnreg=maxnreg, copy_rows=rows)
+                                         maxnreg=maxnreg, copy_rows=rows, bcast_scores=bcast)
             err = error(run(cfg=cfg))
             good &= err < TOL
             us = graph_ms(lambda: run(cfg=cfg)) * 1e3
             kname = split_kernel_name(rt)  # a one-split batch keeps the Triton kernel: said
             tuned[t].append(us / bf16)
-            print(f"    {head} ctas {ctas} min_split {min_split} stages {stages} maxnreg {maxnreg} copy_rows {rows}: "
+            print(f"    {head} ctas {ctas} min_split {min_split} stages {stages} maxnreg {maxnreg} copy_rows {rows} "
+                  f"bcast {bcast}: "
                   f"{us:7.1f} us "
                   f"({us / bf16:.2f}x bf16, {kname}) err {err:.1e}{'' if err < TOL else ' FAILED'}", flush=True)
     finally:

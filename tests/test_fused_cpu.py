@@ -177,8 +177,8 @@ def test_gluon_split_kernel_compiles_for_sm90_with_its_operands_in_place():
     the budget the plan assumes holds: no spills, three CTAs an SM by registers and shared
     memory. (The numerics are GPU tests: tests/gpu/test_fused_gpu.py.)"""
     rows = _aot_compiled("--gluon")
-    assert len(rows) == 8 and sum(" part16:" in line for line, *_ in rows) == 1, rows
-    assert sum(" copy8:" in line for line, *_ in rows) == 2, rows
+    assert len(rows) == 11 and sum(" part16" in line for line, *_ in rows) == 2, rows
+    assert sum(" copy8" in line for line, *_ in rows) == 5 and sum(" bcast" in line for line, *_ in rows) == 3
     for line, regs, spill, smem in rows:
         assert spill == 0 and regs * 128 * 3 <= 65536 and smem * 3 <= 232448, line
 
@@ -196,6 +196,24 @@ def test_gluon_copies_of_eight_rows_a_warp_drop_the_slot_exchange(tmp_path):
         assert eight.count("st.shared") < four.count("st.shared"), base
         for op in ("mma.sync", "cvt.rn.f16x2.e4m3x2", "cp.async.cg", "ldmatrix"):
             assert eight.count(op) == four.count(op) > 0, (base, op)
+
+
+def test_gluon_scores_summed_in_every_warp_keep_the_softmax_in_the_warp(tmp_path):
+    """FUSED_GLUON_TUNING's bcast_scores (not yet the default): the four warps' partial
+    scores go through shared memory once and every warp adds all four, in the rows and keys
+    of the PV's A operand, so P, the running max's rescale and the output's row factor reach
+    their operands with no data moved (assert_trivial: the build fails otherwise) and the
+    softmax's reductions stay in the warp. Compiled for sm_90a at the 168-register cap that
+    keeps three CTAs an SM: at least 8 barriers fewer than the copy8 kernel it builds on, the
+    same MMAs, conversions and copies, and the exp2s of the whole tile in each warp."""
+    _aot_compiled("--gluon", dump=tmp_path)
+    for base in ("gluon_ps1_indptr_s0", "gluon_ps64_table_s1"):
+        split, bcast = ((tmp_path / f"{base}{tag}.ptx").read_text() for tag in ("_copy8", "_copy8_bcast"))
+        assert bcast.count("bar.sync") <= split.count("bar.sync") - 8, base
+        assert bcast.count("shfl.sync") < split.count("shfl.sync"), base
+        assert bcast.count("ex2.approx") > split.count("ex2.approx"), base  # 16 a lane, not 4
+        for op in ("mma.sync", "cvt.rn.f16x2.e4m3x2", "cp.async.cg"):
+            assert bcast.count(op) == split.count(op) > 0, (base, op)
 
 
 def test_combine_keeps_its_sum_over_splits_within_warps_for_f16_partials_too():
@@ -251,6 +269,11 @@ def test_gluon_kernel_launches_with_a_register_cap_only_when_its_tuning_sets_one
     monkeypatch.setitem(fz.FUSED_GLUON_TUNING, "copy_rows", 8)
     eight = dict(fz._fused_gluon_choice(geometry, (1, True, False, False))[3])
     assert eight == dict(launches[None], COPY8=True)
+    # bcast_scores: off by default, BCAST on request
+    assert launches[None]["BCAST"] is False
+    monkeypatch.setitem(fz.FUSED_GLUON_TUNING, "bcast_scores", True)
+    both = dict(fz._fused_gluon_choice(geometry, (1, True, False, False))[3])
+    assert both == dict(launches[None], COPY8=True, BCAST=True)
 
 
 def test_gluon_kernel_only_on_the_triton_and_gpu_it_has_run_on(monkeypatch):

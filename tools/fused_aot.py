@@ -29,6 +29,7 @@ TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", 
 # place; PART16: f16 partials, FUSED_F16_PARTIALS; --gluon and --wgmma compile it both ways)
 FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False, "PART16": False}
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
+BCAST_MAXNREG = 168  # the Gluon kernel's bcast_scores at three CTAs an SM (gpu/gluon_mla_probe.py's sweep)
 
 
 def _fused():
@@ -68,23 +69,25 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     return dict(regs=regs, spill=spill, smem=smem, ctas_per_sm=ctas, async_copies=pipelined)
 
 
-def compile_gluon(ps, by_indptr, scales, dump=None, part16=False, copy_rows=None):
+def compile_gluon(ps, by_indptr, scales, dump=None, part16=False, copy_rows=None, bcast=None, maxnreg=None):
     """The runtime's Gluon split kernel (runtime part _fused_gluon) for sm_90a: registers,
     spills, shared memory. Its operand layout conversions are assert_trivial: a layout that
-    would move data between threads fails here, not on a device. copy_rows: the tuning's
-    copy_rows (4 or 8), its own by default."""
+    would move data between threads fails here, not on a device. copy_rows, bcast: the
+    tuning's copy_rows (4 or 8) and bcast_scores, its own by default; maxnreg: a register cap."""
     rt = _fused()
     kernel = rt._fused_gluon_build()
     tune = rt.FUSED_GLUON_TUNING
     rows = copy_rows or tune["copy_rows"]
+    bcast = tune["bcast_scores"] if bcast is None else bcast
     const = dict(H=16, D=512, DPE=64, PS=ps, BY_INDPTR=by_indptr, HAS_CKV_SCALE=scales, HAS_KPE_SCALE=scales,
-                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"], PART16=part16, COPY8=rows == 8)
+                 BLOCK_N=tune["block_n"], STAGES=tune["num_stages"], PART16=part16, COPY8=rows == 8,
+                 BCAST=bool(bcast))
     tag = (f"gluon_ps{ps}_{'indptr' if by_indptr else 'table'}_s{int(scales)}{'_p16' if part16 else ''}"
-           f"{'_copy8' if rows == 8 else ''}")
-    return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
+           f"{'_copy8' if rows == 8 else ''}{'_bcast' if bcast else ''}")
+    return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump, maxnreg)
 
 
-def _compile_gluon_kernel(kernel, const, num_warps, tag, dump):
+def _compile_gluon_kernel(kernel, const, num_warps, tag, dump, maxnreg=None):
     """A Gluon kernel compiled for sm_90a with the launcher's specialisation (16-byte aligned
     pointers and strides): its registers, spills and shared memory."""
     import triton
@@ -95,9 +98,9 @@ def _compile_gluon_kernel(kernel, const, num_warps, tag, dump):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps})
+                       options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     _dump(dump, tag, k)
-    regs, spill = _ptxas(k.asm["ptx"])
+    regs, spill = _ptxas(k.asm["ptx"], maxnreg)
     return dict(regs=regs, spill=spill, smem=int(k.metadata.shared))
 
 
@@ -208,16 +211,23 @@ def main(argv=None):
                       f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     if args.gluon:
-        # The last three: f16 partials (PART16), then copies of 8 rows a warp (copy_rows 8), not
-        # the defaults
-        for ps, by_indptr, scales, p16, rows in (
-                (1, True, False, False, 4), (16, True, False, False, 4), (1, False, True, False, 4),
-                (16, False, False, False, 4), (64, False, True, False, 4), (64, False, True, True, 4),
-                (1, True, False, False, 8), (64, False, True, False, 8)):
-            r = compile_gluon(ps, by_indptr, scales, args.dump, p16, rows)
+        # After the first five: f16 partials (PART16), copies of 8 rows a warp (copy_rows 8),
+        # and with them the scores summed in every warp (bcast_scores, at the 168-register cap
+        # three CTAs an SM need: 184 uncapped; with copies of 4 rows it spills 4 B there);
+        # none the default
+        for ps, by_indptr, scales, p16, rows, bcast in (
+                (1, True, False, False, 4, False), (16, True, False, False, 4, False),
+                (1, False, True, False, 4, False), (16, False, False, False, 4, False),
+                (64, False, True, False, 4, False), (64, False, True, True, 4, False),
+                (1, True, False, False, 8, False), (64, False, True, False, 8, False),
+                (1, True, False, False, 8, True), (64, False, True, False, 8, True),
+                (64, False, True, True, 8, True)):
+            cap = BCAST_MAXNREG if bcast else None
+            r = compile_gluon(ps, by_indptr, scales, args.dump, p16, rows, bcast, cap)
             print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}"
-                  f"{' part16' if p16 else ''}{' copy8' if rows == 8 else ''}: {r['regs']} regs, "
-                  f"{r['spill']} B spilled, {r['smem']} B shared", flush=True)
+                  f"{' part16' if p16 else ''}{' copy8' if rows == 8 else ''}"
+                  f"{f' bcast maxnreg {cap}' if bcast else ''}: "
+                  f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     try:
         kernel = _fused()._fused_build()[0]

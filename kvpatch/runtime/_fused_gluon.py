@@ -28,6 +28,7 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_q3,
     _fg_qk_scale,
     _fg_range,
+    _fg_sum_bcast,
     _fg_v3,
     _fused_gluon_build_ops,
 )
@@ -42,6 +43,7 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
 # an SM (168 registers, 45 KB shared: three fit). maxnreg: a register cap a thread (None:
 # the compiler's 168), which four CTAs an SM need (128: ptxas spills 232 bytes a thread).
 # copy_rows: rows a warp's copy instruction covers, 4 or 8 (8: 3 barriers a step fewer).
+# bcast_scores: every warp sums all four partial scores (5-6 barriers a step fewer).
 FUSED_GLUON_TUNING = {
     "block_n": 32,
     "num_stages": 2,
@@ -50,6 +52,7 @@ FUSED_GLUON_TUNING = {
     "min_split": 64,
     "maxnreg": None,
     "copy_rows": 4,
+    "bcast_scores": False,
 }
 _fused_gluon = None  # the kernel, built on first use; False: no Gluon here
 # On since its GPU tests and verify on the real trees passed (GPU runs 44-46, H100: 0.62-0.86x
@@ -91,6 +94,7 @@ def _fused_gluon_choice(geometry, consts):
         BLOCK_N=cfg["block_n"],
         STAGES=cfg["num_stages"],
         COPY8=cfg["copy_rows"] == 8,
+        BCAST=bool(cfg["bcast_scores"]),
         num_warps=cfg["num_warps"],
     )
     if cfg["maxnreg"]:
@@ -150,6 +154,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         STAGES: gl.constexpr,
         PART16: gl.constexpr,
         COPY8: gl.constexpr,
+        BCAST: gl.constexpr,
     ):
         BN: gl.constexpr = BLOCK_N
         C: gl.constexpr = D // 4
@@ -160,7 +165,8 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         b3: gl.constexpr = gl.DotOperandLayout(1, mma3, 2)
         # The scores summed over the warps' partials in-thread, a quarter of the columns a warp.
         rs3: gl.constexpr = gl.BlockedLayout([4, 2, 2], [1, 8, 4], [1, 1, 4], [2, 1, 0])
-        s_l: gl.constexpr = gl.SliceLayout(0, rs3)
+        # BCAST: the scores in every warp, as the PV's A operand holds P (_fg_sum_bcast)
+        s_l: gl.constexpr = gl.SliceLayout(0, a3) if BCAST else gl.SliceLayout(0, rs3)
         # Copies of 16 bytes a thread. COPY8 (8 rows a warp): a row's slot is in the same
         # threads for latent and rope; 4 rows a warp cost 3 barriers and a shared round trip.
         cp3: gl.constexpr = gl.BlockedLayout(
@@ -173,6 +179,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         )
         sw: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [2, 1, 0])
         sw_pe: gl.constexpr = gl.SwizzledSharedLayout(16, 2, 4, [1, 0])
+        sw_sx: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
         # The staged tiles read as the MMA operands' layouts (up to the permutations above):
         # two low column bits in registers, so one 32-bit shared load a thread and row.
         K3PHYS: gl.constexpr = gl.DistributedLinearLayout(
@@ -257,6 +264,12 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         ckv, kpe = _fg_kv_scales(ckv_scale, kpe_scale, HAS_CKV_SCALE, HAS_KPE_SCALE)
         kv_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, BN, C], sw)
         pe_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, DPE], sw_pe)
+        p_l: gl.constexpr = a3 if BCAST else rs3  # P's layout before the PV's operand
+        row_l: gl.constexpr = gl.SliceLayout(
+            0, gl.SliceLayout(2, mma3)
+        )  # the output's rows
+        if BCAST:
+            sx = gl.allocate_shared_memory(gl.float32, [4 * H, BN], sw_sx)
         r = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3)))
         cc = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, cp3)))
         jj = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, cp3)))
@@ -322,16 +335,19 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
                     s3 = s3 * ckv
                 if HAS_KPE_SCALE:
                     s3p = s3p * kpe
-                sc = gl.sum(gl.convert_layout(s3 + s3p, rs3), 0)
+                if BCAST:
+                    sc = _fg_sum_bcast(sx, s3 + s3p, s_l)
+                else:
+                    sc = gl.sum(gl.convert_layout(s3 + s3p, rs3), 0)
                 sc = gl.where(ok_s[None, :], sc * qk_scale, float("-inf"))
                 m_new, alpha, p, l_i = _fg_online(m_i, l_i, sc)
                 p16 = gl.expand_dims(p.to(gl.float16), 0)
                 p3 = gl.convert_layout(
-                    gl.broadcast(p16, gl.zeros([4, H, BN], gl.float16, rs3))[0], a3
+                    gl.broadcast(p16, gl.zeros([4, H, BN], gl.float16, p_l))[0],
+                    a3,
+                    assert_trivial=BCAST,
                 )
-                al = gl.convert_layout(
-                    alpha, gl.SliceLayout(0, gl.SliceLayout(2, mma3))
-                )
+                al = gl.convert_layout(alpha, row_l, assert_trivial=BCAST)
                 al = gl.expand_dims(gl.expand_dims(al, 0), 2)
                 acc = mma_v2(p3, _fg_v3(tile.load(V3PHYS), b3, BN), acc * al)
                 m_i = m_new
@@ -340,7 +356,7 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         inv, lse = _fg_finish(m_i, l_i, ckv, PART16)
         hs = gl.arange(0, H, layout=gl.SliceLayout(1, s_l))
         gl.store(part_lse + (b * H + hs).to(gl.int64) * n_splits + s, lse)
-        inv = gl.convert_layout(inv, gl.SliceLayout(0, gl.SliceLayout(2, mma3)))
+        inv = gl.convert_layout(inv, row_l, assert_trivial=BCAST)
         o = acc * gl.expand_dims(gl.expand_dims(inv, 0), 2)
         o = o.reshape([4, H, 4, 4, 8]).permute([0, 1, 2, 4, 3]).reshape([4, H, C])
         o = gl.convert_layout(o, st3)  # physical columns, then coalesced

@@ -75,7 +75,7 @@ def _fused_gluon_build_ops(gluon, gl):
     assert_trivial fails the build if any of them would move data between threads."""
     global _fg_perm, _fg_q3, _fg_k3, _fg_pe3, _fg_v3, _fused_gluon_ops_built
     global _fg_range, _fg_slots, _fg_qk_scale, _fg_kv_scales, _fg_online, _fg_finish
-    global _fg_q64, _fg_out64
+    global _fg_q64, _fg_out64, _fg_sum_bcast
     if _fused_gluon_ops_built:
         return
     _fused_gluon_ops_built = True
@@ -153,6 +153,24 @@ def _fused_gluon_build_ops(gluon, gl):
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(sc - m_use[:, None])
         return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _fg_sum_bcast(sx, s3, s_l: gl.constexpr):
+        # The 16-row kernel's scores summed over its four warps' latent chunks (s3, the
+        # MMA's partials) with every warp holding the whole tile, in s_l (the rows and keys
+        # of the PV's A operand): one barrier, then each warp adds the four from shared
+        # memory itself, so the softmax, P and the output's rescale need no other warp. A
+        # quarter of the columns a warp took 9 barriers a step (session 20's PTX); the
+        # step's closing barrier keeps the next store after every warp's loads.
+        H: gl.constexpr = s3.shape[1]
+        sx.store(s3.reshape([4 * H, s3.shape[2]]))
+        gl.thread_barrier()
+        return (
+            sx.slice(0, H).load(s_l)
+            + sx.slice(H, H).load(s_l)
+            + sx.slice(2 * H, H).load(s_l)
+            + sx.slice(3 * H, H).load(s_l)
+        )
 
     @gluon.jit
     def _fg_finish(m_i, l_i, ckv, PART16: gl.constexpr):
