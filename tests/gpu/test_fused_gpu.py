@@ -415,14 +415,24 @@ def _split_kernel_name():
     return getattr(k, "name", None) or k.metadata.name
 
 
+# FUSED_GLUON_TUNING's variants (session 20, compiled only until a device runs this test):
+# copies of 8 rows a warp, and with them the scores summed in every warp at a 168 cap
+GLUON_VARIANTS = {"default": {}, "copy8": {"copy_rows": 8},
+                  "copy8_bcast": {"copy_rows": 8, "bcast_scores": True, "maxnreg": 168}}
+
+
+@pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
 @pytest.mark.parametrize("ps,scales", [(1, False), (16, True), (64, False), (64, True)])
-def test_gluon_split_kernel_serves_16_heads_and_agrees_with_triton(ps, scales):
+def test_gluon_split_kernel_serves_16_heads_and_agrees_with_triton(ps, scales, variant, monkeypatch):
     """16 heads, one token, "gluon": True: the plan takes the Gluon split kernel (runtime part
     _fused_gluon); both kernels within the fp32-reference tolerance on page tables, with FP8
     scales, bit-identical run to run. A wrong page fails the check. (It serves 16-head decode
-    by default, FUSED_GLUON_DEFAULT, since this test and verify passed on a device.)"""
+    by default, FUSED_GLUON_DEFAULT, since this test and verify passed on a device.) Each
+    tuning variant of GLUON_VARIANTS the same way."""
     if not RT._fused_gluon_build():
         pytest.skip("this Triton has no Gluon: the Triton kernel serves (tested above)")
+    for key, value in GLUON_VARIANTS[variant].items():
+        monkeypatch.setitem(RT.FUSED_GLUON_TUNING, key, value)
     kw0 = dict(config=dict(RT.FUSED_TUNING["small"], gluon=True))
     lens = [1, 33, 4096, 513, 2000]
     slots = 65_536
