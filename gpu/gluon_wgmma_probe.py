@@ -11,7 +11,7 @@ table at page size 64 with both FP8 scales, against the scaled reference, and a 
 kernel's launch tuning. Prints only; exit 1 if a check fails. Compile-only, no GPU:
 python tools/fused_aot.py --wgmma.
 
-    python gpu/gluon_wgmma_probe.py [--sweep] [--ws]
+    python gpu/gluon_wgmma_probe.py [--sweep] [--ws | --xchg]
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ SWEEP = [(64, 2, 128, False), (64, 1, 256, False), (64, 1, 128, True), (64, 2, 1
 PATHS = (("triton", False, {}), ("wgmma", True, {"wg_ws": False}))
 WS = ("ws", True, {"wg_ws": True})
 UP = ("ws_up", True, {"wg_ws": True, "wg_splits": "up"})
+# xchg (session 20, not run): the softmax's halves exchanged through shared memory, P read
+# by the PV's wgmma from there: 4 barriers a step in the MMA warps, not 11.
+XCHG = ("ws_xchg", True, {"wg_ws": True, "wg_xchg": True})
 
 
 def main(argv=None):
@@ -54,8 +57,10 @@ def main(argv=None):
     # --ws: the loader-partition kernel (runtime part _fused_wgmma_ws, the default) beside the
     # plain one, each checked; run under `timeout`: a wrong barrier phase hangs, not fails.
     # ws_up: its split count rounded up (the default before run 51), for the A/B against
-    # the splits that fill the last wave of CTAs (the default since).
-    variants = (WS, UP) if "--ws" in argv else ()
+    # the splits that fill the last wave of CTAs (the default since). --xchg: the loader
+    # kernel with the softmax's exchange beside the default, in a run of its own (a hang in
+    # it must not take the default's numbers).
+    variants = (WS, UP) if "--ws" in argv else (WS, XCHG) if "--xchg" in argv else ()
     paths = PATHS + variants
     setup = probe_setup("gluon_wgmma_probe")
     if setup is None:

@@ -325,11 +325,12 @@ def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partiti
     fz = load_fused()
     dump = tmp_path / "ws"
     rows = _aot_compiled("--wgmma", dump, ["--ws"])
-    assert len(rows) == 5 and all(line.startswith("wgmma ws") for line, *_ in rows), rows
+    assert len(rows) == 7 and all(line.startswith("wgmma ws") for line, *_ in rows), rows
+    assert sum(" xchg:" in line for line, *_ in rows) == 2, rows
     for line, regs, spill, smem in rows:
         assert spill == 0 and regs * 384 <= 65536 and smem <= 232448, line
     ptx = sorted(dump.glob("wgmma_*_ws*.ptx"))
-    assert len(ptx) == 5
+    assert len(ptx) == 7
     for f in ptx:
         text = f.read_text()
         loader = fz.FUSED_WS_LOADER_REGS
@@ -339,6 +340,25 @@ def test_wgmma_loader_variant_compiles_for_sm90_in_the_budget_of_its_two_partiti
         assert "mbarrier.try_wait.parity" in text and "mbarrier.arrive" in text, f.name
         assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in text, f.name
         assert "cp.async.wait_group \t0;" in text and "wgmma.wait_group.sync.aligned 2;" not in text, f.name
+
+
+def test_wgmma_loader_exchange_keeps_its_mma_warps_to_four_barriers_a_step(tmp_path):
+    """FUSED_WGMMA_TUNING's xchg (not yet the default): the loader kernel's two MMA
+    warpgroups exchange their halves' row maxima and sums through shared memory and write P
+    there for the PV's wgmma (_fws_xchg), where the layout conversions of the reductions and
+    of P cost 11 barriers of the MMA partition a step. Compiled for sm_90a: its partition's
+    barrier (bar.sync 0, 256) at least 6 fewer times in the kernel, the same warpgroup MMAs,
+    P's stores in the PTX (stmatrix) and its reads by the wgmma, within the shared memory
+    (the exchange's 9 KB fit beside q and the ring). The default kernel is unchanged."""
+    _aot_compiled("--wgmma", tmp_path, ["--ws"])
+    plain = (tmp_path / "wgmma_h128_tq1_ps1_bn64_s2_ws.ptx").read_text()
+    xchg = (tmp_path / "wgmma_h128_tq1_ps1_bn64_s2_ws_xchg.ptx").read_text()
+    mma_barrier = re.compile(r"bar\.sync \t0, 256;")
+    assert len(mma_barrier.findall(xchg)) <= len(mma_barrier.findall(plain)) - 6
+    assert xchg.count("wgmma.mma_async") == plain.count("wgmma.mma_async") > 0
+    assert "stmatrix" in xchg and "stmatrix" not in plain
+    loader = re.compile(r"bar\.sync \t2, 128;")  # the loader's own, untouched
+    assert len(loader.findall(xchg)) == len(loader.findall(plain)) > 0
 
 
 def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_fails(monkeypatch):
@@ -354,7 +374,7 @@ def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_
     monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda: "loader")
     monkeypatch.setattr(fz, "_fused_sm_count", lambda d: 132)
     for cfg, want in (({"wgmma": True}, "loader"), ({"wgmma": True, "wg_ws": False}, "committed"),
-                      ({"wgmma": True, "loader_fails": True}, "committed")):
+                      ({"wgmma": True, "loader_fails": True}, "committed"), ({"wgmma": True, "wg_xchg": True}, "loader")):
         monkeypatch.setattr(fz, "_fused_wgmma_ws_build", lambda c=cfg: not c.get("loader_fails") and "loader")
         kernel, _, _, launch, rows = fz._fused_wgmma_choice((128, 512, 64, True, False, dev, cfg, None, 8), consts)
         launch = dict(launch)
@@ -362,8 +382,9 @@ def test_wgmma_loader_variant_by_default_and_the_plain_kernel_where_asked_or_it_
         if want == "loader":
             assert "STAGES" not in launch and "LEAN" not in launch
             assert launch["LOADER_REGS"] == fz.FUSED_WS_LOADER_REGS
+            assert launch["XCHG"] is bool(cfg.get("wg_xchg"))  # the exchange only when asked
         else:
-            assert "LOADER_REGS" not in launch and launch["STAGES"] >= 1
+            assert "LOADER_REGS" not in launch and "XCHG" not in launch and launch["STAGES"] >= 1
 
 
 def test_wgmma_split_count_fills_the_last_wave():

@@ -113,7 +113,7 @@ def _dump(dump, tag, k):
 
 
 def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=None, dump=None, lean=None,
-                  part16=False, ws=False):
+                  part16=False, ws=False, xchg=None):
     """The 64-row warpgroup-MMA split kernel (runtime part _fused_wgmma) for sm_90a; ws: its
     variant with a loader partition (runtime part _fused_wgmma_ws), the default since
     runtime 13. The constants mirror _fused_wgmma_choice's launch (no GPU here to ask it
@@ -126,9 +126,10 @@ def compile_wgmma(ps, by_indptr, scales, heads=128, tq=1, block_n=None, stages=N
                  DIRECT=FLAGS["DIRECT"], LEAN=tune["lean"] if lean is None else lean, PART16=part16)
     if ws:
         del const["STAGES"], const["LEAN"]
-        const.update(LOADER_REGS=rt.FUSED_WS_LOADER_REGS)
+        const.update(LOADER_REGS=rt.FUSED_WS_LOADER_REGS,
+                     XCHG=bool(tune["xchg"] if xchg is None else xchg))
     tag = (f"wgmma_h{heads}_tq{tq}_ps{ps}_bn{const['BLOCK_N']}_s{const.get('STAGES', 2)}"
-           f"{'_lean' if const.get('LEAN') else ''}{'_ws' if ws else ''}"
+           f"{'_lean' if const.get('LEAN') else ''}{'_ws' if ws else ''}{'_xchg' if const.get('XCHG') else ''}"
            f"{'_direct' if const['DIRECT'] else ''}{'_p16' if part16 else ''}")
     return _compile_gluon_kernel(kernel, const, tune["num_warps"], tag, dump)
 
@@ -188,19 +189,21 @@ def main(argv=None):
     for flag in FLAGS:
         FLAGS[flag] = getattr(args, flag.lower()) if flag in ("V_EARLY", "QK_ACC") else bool(getattr(args, flag.lower()))
     if args.wgmma:
-        # The last two: the LEAN variant (two barriers a step, not four) and f16 partials (PART16),
-        # neither the default
-        for ps, by_indptr, scales, heads, tq, lean, p16 in (
-                (1, True, False, 128, 1, None, False), (64, False, True, 128, 1, None, False),
-                (1, True, False, 16, 4, None, False), (16, False, False, 16, 8, None, False),
-                (1, True, False, 128, 1, True, False), (64, False, True, 128, 1, None, True)):
-            if args.ws and lean:
+        # After the first four: the LEAN variant (two barriers a step, not four), f16 partials
+        # (PART16) and, with --ws, the softmax's exchange (xchg, _fws_xchg); none the default
+        for ps, by_indptr, scales, heads, tq, lean, p16, xchg in (
+                (1, True, False, 128, 1, None, False, False), (64, False, True, 128, 1, None, False, False),
+                (1, True, False, 16, 4, None, False, False), (16, False, False, 16, 8, None, False, False),
+                (1, True, False, 128, 1, True, False, False), (64, False, True, 128, 1, None, True, False),
+                (1, True, False, 128, 1, None, False, True), (16, False, True, 16, 8, None, True, True)):
+            if args.ws and lean or xchg and not args.ws:
                 continue
-            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean, part16=p16, ws=args.ws)
+            r = compile_wgmma(ps, by_indptr, scales, heads, tq, dump=args.dump, lean=lean, part16=p16, ws=args.ws,
+                              xchg=xchg)
             print(f"wgmma{' ws' if args.ws else ''} heads {heads} tq {tq} page size {ps} "
                   f"{'kv_indptr' if by_indptr else 'page table'} "
-                  f"scales {scales}{' lean' if lean else ''}{' part16' if p16 else ''}: {r['regs']} regs, "
-                  f"{r['spill']} B spilled, {r['smem']} B shared", flush=True)
+                  f"scales {scales}{' lean' if lean else ''}{' part16' if p16 else ''}{' xchg' if xchg else ''}: "
+                  f"{r['regs']} regs, {r['spill']} B spilled, {r['smem']} B shared", flush=True)
         return 0
     if args.combine:
         # Split counts of the table's shapes: 128h 32 x 4k, 128h 8 x 4k, 16h 32 x 4k, 8 x 4k, 1 x 4k

@@ -55,6 +55,7 @@ FUSED_WGMMA_TUNING = {
     "lean": False,
     "ws": True,
     "splits": "fill",
+    "xchg": False,
 }
 # "fill" (wg_splits): the fewest splits whose grid fills its last wave of CTAs at least this
 # much. ncu (GPU run 50) found the rounded-up count ("up", the rule of the 16-row kernels)
@@ -115,7 +116,7 @@ def _fused_wgmma_choice(geometry, consts):
     )
     if cfg["ws"]:  # a ring of two tiles, its own barriers
         del launch["STAGES"], launch["LEAN"]
-        launch.update(LOADER_REGS=FUSED_WS_LOADER_REGS)
+        launch.update(LOADER_REGS=FUSED_WS_LOADER_REGS, XCHG=bool(cfg["xchg"]))
     return kernel, cfg, n_splits, tuple(launch.items()), FUSED_WGMMA_ROWS
 
 

@@ -1,26 +1,22 @@
 """A part of the kvpatch runtime: the 64-row split kernel with its FP8 loads and
 conversions in a warp partition of their own (issue 17, 128 heads).
 
-The 64-row kernel (_fused_wgmma) runs each KV tile's copy wait, f16 conversion, QK, softmax
-and PV in series on its 8 warps, one CTA an SM: ncu (GPU run 48) found no eligible warp 79%
-of cycles. Here a 4-warp loader partition (gl.warp_specialize) fills a ring of two f16 tiles
-while the 8 MMA warps work on the other one:
-- the loader copies a tile's FP8 rows (cp.async) into the upper half of the free ring slot,
-  converts them in place to f16 in the NVMMA layout wgmma reads, writes the tile's row
-  validity, and signals the slot ready (mbarrier);
-- the MMA warps wait for it, run QK, the softmax and PV exactly as the 64-row kernel does
-  (same layouts, numerics and partials), then signal the slot empty.
-There is no room for a separate FP8 stage: q (72 KB) and two f16 tiles (2 x 72 KB) fill the
-227 KB an SM has. An NVMMA tile of 64 rows keeps each 64-column block in 8 KB of its own
-(the wgmma descriptors' 8 KB step, checked in the PTX), so the FP8 bytes of block u wait at
-32 + 4u KB and the conversion overwrites only blocks already read (see _fws_convert).
+The 64-row kernel (_fused_wgmma) runs each tile's copy wait, conversion, QK, softmax and PV
+in series on its 8 warps (ncu, GPU run 48: no eligible warp 79% of cycles). Here a 4-warp
+loader partition (gl.warp_specialize) copies a tile's FP8 rows (cp.async) into the upper
+half of the free slot of a ring of two f16 tiles, converts them in place to f16 in the
+NVMMA layout wgmma reads, and signals the slot ready (mbarrier); the 8 MMA warps run QK,
+the softmax and PV as the 64-row kernel does, then signal the slot empty. q (72 KB) and two
+f16 tiles fill the 227 KB an SM has: no room for an FP8 stage. An NVMMA tile keeps each
+64-column block in 8 KB of its own, so block u's FP8 bytes wait at 32 + 4u KB and the
+conversion overwrites only blocks already read (_fws_convert).
 
 Not a module of its own: kvpatch/runtime/__init__.py joins the parts (see there); the
 imports above the "joined from here" line only let this part read alone.
 """
 
-from kvpatch.runtime._fused_gluon_ops import _fused_hopper_lang
 from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_build_ops has run
+    _fused_hopper_lang,
     _fg_kv_scales,
     _fg_online,
     _fg_out64,
@@ -52,7 +48,7 @@ def _fused_wgmma_ws_build():
 
 def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmma_wait):
     # A kernel's callees are resolved among its module's globals.
-    global _fws_convert, _fws_load, _fws_mma, _fws_qk, _fws_scores
+    global _fws_convert, _fws_load, _fws_mma, _fws_qk, _fws_scores, _fws_xchg
 
     @gluon.jit
     def _fws_convert(ring_b, pe_b, D: gl.constexpr, BN: gl.constexpr):
@@ -145,6 +141,33 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         return sc
 
     @gluon.jit
+    def _fws_xchg(sc, m_i, l_i, xm, xl, p_s, s_l: gl.constexpr):
+        # XCHG: a softmax step with the warpgroups' halves of the keys exchanged through xm,
+        # xl (each half's row maxima, sums: [64, 2], a [64, 2, 32] view making each half
+        # its warpgroup's own) and p_s (P, read there by the PV's wgmma): 4 barriers a step
+        # where the conversions took 11 (sm_90a PTX). Later barriers order the next stores.
+        BM: gl.constexpr = sc.shape[0]
+        HN: gl.constexpr = sc.shape[1] // 2
+        xm.store(gl.max(sc.reshape([BM, 2, HN]), 2))
+        gl.thread_barrier()
+        m_t = gl.maximum(
+            gl.max(xm.slice(0, 1, 1).load(s_l), 1),
+            gl.max(xm.slice(1, 1, 1).load(s_l), 1),
+        )
+        m_new = gl.maximum(m_i, m_t)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc - m_use[:, None])
+        p_s.store(p.to(gl.float16))
+        xl.store(gl.sum(p.reshape([BM, 2, HN]), 2))
+        fence_async_shared()  # P's generic stores, before the wgmma's async reads
+        gl.thread_barrier()
+        l_t = gl.sum(xl.slice(0, 1, 1).load(s_l), 1) + gl.sum(
+            xl.slice(1, 1, 1).load(s_l), 1
+        )
+        return m_new, alpha, l_i * alpha + l_t
+
+    @gluon.jit
     def _fws_mma(
         q_s,
         qpe_s,
@@ -168,9 +191,14 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         SPLIT_PE: gl.constexpr,
         s_l: gl.constexpr,
         o_l: gl.constexpr,
+        XCHG: gl.constexpr,
+        xm,
+        xl,
+        p_s,
     ):
         BM: gl.constexpr = 64
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)  # the output's rows
         rows = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_l))
         limit = kv_len - TQ + rows // H  # causal: query t sees positions <= limit
         rs = gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
@@ -187,10 +215,15 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
             if CAUSAL:
                 keep = keep & ((lo + t * BN + rs)[None, :] <= limit[:, None])
             sc = gl.where(keep, sc * qk_scale, float("-inf"))
-            m_new, alpha, p, l_i = _fg_online(m_i, l_i, sc)
-            p16 = gl.convert_layout(p.to(gl.float16), p_l)
-            al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))
-            acc = wgmma(p16, ring.index(b), acc * al[:, None], is_async=True)
+            if XCHG:
+                m_new, alpha, l_i = _fws_xchg(sc, m_i, l_i, xm, xl, p_s, s_l)
+                al = gl.convert_layout(alpha, row_o, assert_trivial=True)
+                acc = wgmma(p_s, ring.index(b), acc * al[:, None], is_async=True)
+            else:
+                m_new, alpha, p, l_i = _fg_online(m_i, l_i, sc)
+                p16 = gl.convert_layout(p.to(gl.float16), p_l)
+                al = gl.convert_layout(alpha, row_o)
+                acc = wgmma(p16, ring.index(b), acc * al[:, None], is_async=True)
             acc = wgmma_wait(0, deps=(acc,))
             m_i = m_new
             fence_async_shared()  # wgmma's reads, before the loader's copies refill
@@ -233,6 +266,7 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         DIRECT: gl.constexpr,
         LOADER_REGS: gl.constexpr,
         PART16: gl.constexpr,
+        XCHG: gl.constexpr,
     ):
         gl.static_assert(D == 512 and DPE == 64 and BLOCK_N == 64)
         BN: gl.constexpr = BLOCK_N
@@ -272,6 +306,16 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
         for i in gl.static_range(2):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
+        # XCHG's exchange (_fws_xchg): 9 KB, in the 6.6 KB left and the 4 KB of scratch it frees
+        if XCHG:
+            x_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            xm = gl.allocate_shared_memory(gl.float32, [64, 2], x_l)
+            xl = gl.allocate_shared_memory(gl.float32, [64, 2], x_l)
+            p_s = gl.allocate_shared_memory(gl.float16, [64, BN], mma_sl)
+        else:
+            xm = ok_s  # not read
+            xl = ok_s
+            p_s = ok_s
         acc, m_i, l_i = gl.warp_specialize(
             [
                 (
@@ -299,6 +343,10 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
                         HAS_CKV_SCALE or HAS_KPE_SCALE,
                         s_l,
                         o_l,
+                        XCHG,
+                        xm,
+                        xl,
+                        p_s,
                     ),
                 ),
                 (

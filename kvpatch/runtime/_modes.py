@@ -20,7 +20,8 @@ import torch
 # 15: the combine reads its columns in runs of 4, so over f16 partials (FUSED_F16_PARTIALS,
 # off) it sums the splits within warps as over fp32 ones; the Gluon kernel's register cap
 # (FUSED_GLUON_TUNING["maxnreg"], unset), copies 8 rows a warp ("copy_rows", 4) and the
-# scores summed in every warp ("bcast_scores", off);
+# scores summed in every warp ("bcast_scores", off); the 64-row loader kernel's softmax
+# exchange (FUSED_WGMMA_TUNING["xchg"], off);
 # routed calls skip a device object per call
 # 14: the 64-row kernel's split count fills the last wave of CTAs (FUSED_WGMMA_TUNING
 # "splits": "fill"); auto routes 64 heads to it too; the register-prefetch loader is gone

@@ -42,10 +42,12 @@ if torch.cuda.get_device_capability() not in RT.FUSED_GLUON_CAPABILITY:
     pytest.skip("the warpgroup-MMA kernel is built for SM 9.0 only", allow_module_level=True)
 
 
-# Each test runs on the loader-partition kernel (runtime part _fused_wgmma_ws, the default)
+# Each test runs on the loader-partition kernel (runtime part _fused_wgmma_ws, the default),
+# on it with the softmax's exchange ("wg_xchg", session 20: off, not yet run on a device),
 # and on the plain 64-row kernel ("wg_ws": False, where the loader kernel does not build):
 # the same checks, the same rows.
-KERNELS = {"wgmma": "_fused_wgmma_split_kernel", "wgmma_loader": "_fused_wgmma_ws_split_kernel"}
+KERNELS = {"wgmma": "_fused_wgmma_split_kernel", "wgmma_loader": "_fused_wgmma_ws_split_kernel",
+           "wgmma_loader_xchg": "_fused_wgmma_ws_split_kernel"}
 
 
 @pytest.fixture(params=sorted(KERNELS))
@@ -55,7 +57,8 @@ def kernel(request):
 
 def cfg(wgmma=True, lean=False, kernel="wgmma"):
     # lean: the variant with two barriers a step (not the default yet)
-    return dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=wgmma, wg_lean=lean, wg_ws=kernel != "wgmma")
+    return dict(RT.FUSED_TUNING["large"], gluon=False, wgmma=wgmma, wg_lean=lean, wg_ws=kernel != "wgmma",
+                wg_xchg=kernel == "wgmma_loader_xchg")
 
 
 @pytest.mark.parametrize("heads,tq,ps,scales,lean", [(128, 1, 1, False, False), (128, 1, 64, True, False),
