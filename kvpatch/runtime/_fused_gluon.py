@@ -43,7 +43,7 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
 # an SM (168 registers, 45 KB shared: three fit). maxnreg: a register cap a thread (None:
 # the compiler's 168), which four CTAs an SM need (128: ptxas spills 232 bytes a thread).
 # copy_rows: rows a warp's copy instruction covers, 4 or 8 (8: 3 barriers a step fewer).
-# bcast_scores: every warp sums all four partial scores (5-6 barriers a step fewer).
+# bcast_scores: every warp sums all four partial scores (8 barriers a step fewer; a 168 cap).
 FUSED_GLUON_TUNING = {
     "block_n": 32,
     "num_stages": 2,
