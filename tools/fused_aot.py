@@ -46,6 +46,17 @@ def _types(const):
     return dict(TYPES, part_o="*fp16") if const.get("PART16") else TYPES
 
 
+def _signature(kernel, const, types):
+    """(signature, attributes) of a compile: the constexprs, each argument's type (an int
+    where types has none), and what the launcher specialises on at run time: 16-byte aligned
+    pointers and strides."""
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    return sig, attrs
+
+
 def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -53,11 +64,7 @@ def compile_one(kernel, heads, tq, bm, bn, warps, stages, maxnreg, dump=None):
 
     const = dict(H=heads, TQ=tq, D=512, DPE=64, PS=1, BY_INDPTR=True, CAUSAL=tq > 1, HAS_CKV_SCALE=False,
                  HAS_KPE_SCALE=False, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=False, **FLAGS)
-    names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in const else _types(const).get(n, "i32") for n in names}
-    # What the launcher specialises on at run time: 16-byte aligned pointers and strides.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    sig, attrs = _signature(kernel, const, _types(const))
     opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=opts)
@@ -93,10 +100,7 @@ def _compile_gluon_kernel(kernel, const, num_warps, tag, dump, maxnreg=None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in const else _types(const).get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    sig, attrs = _signature(kernel, const, _types(const))
     k = triton.compile(GluonASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     _dump(dump, tag, k)
@@ -148,10 +152,7 @@ def compile_combine(n_splits, part16, dump=None):
     const = dict(H=16, TQ=1, D=512, PS=1, BY_INDPTR=True, BLOCK_N=64, SB=sb, DB=db, APPLY_CKV=part16)
     types = dict(part_o="*fp16" if part16 else "*fp32", part_lse="*fp32", lens="*i32", out="*bf16",
                  ckv_scale="*fp32")
-    names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in const and (sig[n].startswith("*") or n.startswith("stride"))}
+    sig, attrs = _signature(kernel, const, types)
     k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4})
     _dump(dump, f"combine_s{n_splits}{'_p16' if part16 else ''}", k)
