@@ -265,9 +265,8 @@ def _fg_kernel(gluon, gl, async_copy, mma_v2):
         kv_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 4, BN, C], sw)
         pe_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, DPE], sw_pe)
         p_l: gl.constexpr = a3 if BCAST else rs3  # P's layout before the PV's operand
-        row_l: gl.constexpr = gl.SliceLayout(
-            0, gl.SliceLayout(2, mma3)
-        )  # the output's rows
+        # the output's rows
+        row_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, mma3))
         if BCAST:
             sx = gl.allocate_shared_memory(gl.float32, [4 * H, BN], sw_sx)
         r = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3)))

@@ -75,6 +75,7 @@ def _fused_gluon_build_ops(gluon, gl):
     assert_trivial fails the build if any of them would move data between threads."""
     global _fg_perm, _fg_q3, _fg_k3, _fg_pe3, _fg_v3, _fused_gluon_ops_built
     global _fg_range, _fg_slots, _fg_qk_scale, _fg_kv_scales, _fg_online, _fg_finish
+    global _fg_rescale
     global _fg_q64, _fg_out64, _fg_sum_bcast
     if _fused_gluon_ops_built:
         return
@@ -148,11 +149,16 @@ def _fused_gluon_build_ops(gluon, gl):
     def _fg_online(m_i, l_i, sc):
         # One step of the online softmax (base 2): the new running max, the factor that
         # rescales what came before, P, and the new running sum.
-        m_new = gl.maximum(m_i, gl.max(sc, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[:, None])
+        m_new, alpha, p = _fg_rescale(m_i, gl.max(sc, 1), sc)
         return m_new, alpha, p, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _fg_rescale(m_i, m_t, sc):
+        # The step given the tile's row maxima m_t: the new running max, the factor that
+        # rescales what came before, and P (the loader kernel's XCHG finds m_t itself).
+        m_new = gl.maximum(m_i, m_t)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+        return m_new, gl.exp2(m_i - m_use), gl.exp2(sc - m_use[:, None])
 
     @gluon.jit
     def _fg_sum_bcast(sx, s3, s_l: gl.constexpr):
@@ -160,7 +166,7 @@ def _fused_gluon_build_ops(gluon, gl):
         # MMA's partials) with every warp holding the whole tile, in s_l (the rows and keys
         # of the PV's A operand): one barrier, then each warp adds the four from shared
         # memory itself, so the softmax, P and the output's rescale need no other warp. A
-        # quarter of the columns a warp took 9 barriers a step (session 20's PTX); the
+        # quarter of the columns a warp took 8 more barriers (session 20's PTX); the
         # step's closing barrier keeps the next store after every warp's loads.
         H: gl.constexpr = s3.shape[1]
         sx.store(s3.reshape([4 * H, s3.shape[2]]))

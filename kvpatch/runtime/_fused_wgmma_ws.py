@@ -22,6 +22,7 @@ from kvpatch.runtime._fused_gluon_ops import (  # globals once _fused_gluon_buil
     _fg_out64,
     _fg_q64,
     _fg_range,
+    _fg_rescale,
     _fg_slots,
 )
 
@@ -154,10 +155,7 @@ def _fws_kernel(gluon, gl, async_copy, fence_async_shared, mbarrier, wgmma, wgmm
             gl.max(xm.slice(0, 1, 1).load(s_l), 1),
             gl.max(xm.slice(1, 1, 1).load(s_l), 1),
         )
-        m_new = gl.maximum(m_i, m_t)
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc - m_use[:, None])
+        m_new, alpha, p = _fg_rescale(m_i, m_t, sc)
         p_s.store(p.to(gl.float16))
         xl.store(gl.sum(p.reshape([BM, 2, HN]), 2))
         fence_async_shared()  # P's generic stores, before the wgmma's async reads
