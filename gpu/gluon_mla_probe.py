@@ -46,8 +46,9 @@ SHAPES = ((1, 4096), (8, 4096), (32, 4096), (128, 1024), (8, 32768), (64, 8192))
 # ahead: 1-3% slower, removed. ncu (run 51): latency-bound at 3 CTAs (12 warps an SM, 0.5
 # eligible a scheduler, DRAM 55%); four CTAs need 128 registers a thread (232 B spilled).
 # copy_rows 8 and bcast_scores (session 20, not run): 3 and 8 barriers a step fewer
-# (tools/fused_aot.py --gluon); bcast_scores at the 168-register cap (184 uncapped).
-SWEEP = [(3, 64, 2, None, 4, False), (3, 64, 2, None, 8, False), (3, 64, 2, 168, 8, True),
+# (tools/fused_aot.py --gluon); bcast_scores at its register cap (maxnreg "bcast": the
+# runtime's FUSED_GLUON_BCAST_MAXNREG; 184 uncapped).
+SWEEP = [(3, 64, 2, None, 4, False), (3, 64, 2, None, 8, False), (3, 64, 2, "bcast", 8, True),
          (4, 64, 2, 128, 4, False), (2, 64, 2, None, 4, False)]
 
 
@@ -115,6 +116,7 @@ def sweep_shape(rt, run, bf16, tuned, head, error):
     try:
         for t in SWEEP:
             ctas, min_split, stages, maxnreg, rows, bcast = t
+            maxnreg = rt.FUSED_GLUON_BCAST_MAXNREG if maxnreg == "bcast" else maxnreg
             rt.FUSED_GLUON_TUNING = dict(committed, ctas_per_sm=ctas, min_split=min_split, num_stages=stages,
                                          maxnreg=maxnreg, copy_rows=rows, bcast_scores=bcast)
             err = error(run(cfg=cfg))

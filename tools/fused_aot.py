@@ -29,7 +29,6 @@ TYPES = {"q_nope": "*bf16", "q_pe": "*bf16", "kv": "*fp8e4nv", "table": "*i32", 
 # place; PART16: f16 partials, FUSED_F16_PARTIALS; --gluon and --wgmma compile it both ways)
 FLAGS = {"F16": True, "PV_ASM": False, "V_EARLY": False, "QK_ACC": 1, "DIRECT": False, "PART16": False}
 DEFAULT = "16,64,4,2,0;16,32,4,2,168;16,32,8,2,0"
-BCAST_MAXNREG = 168  # the Gluon kernel's bcast_scores at three CTAs an SM (gpu/gluon_mla_probe.py's sweep)
 
 
 def _fused():
@@ -226,7 +225,7 @@ def main(argv=None):
                 (1, True, False, False, 8, False), (64, False, True, False, 8, False),
                 (1, True, False, False, 8, True), (64, False, True, False, 8, True),
                 (64, False, True, True, 8, True)):
-            cap = BCAST_MAXNREG if bcast else None
+            cap = _fused().FUSED_GLUON_BCAST_MAXNREG if bcast else None
             r = compile_gluon(ps, by_indptr, scales, args.dump, p16, rows, bcast, cap)
             print(f"gluon page size {ps} {'kv_indptr' if by_indptr else 'page table'} scales {scales}"
                   f"{' part16' if p16 else ''}{' copy8' if rows == 8 else ''}"

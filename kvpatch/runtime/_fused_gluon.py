@@ -54,6 +54,8 @@ FUSED_GLUON_TUNING = {
     "copy_rows": 4,
     "bcast_scores": False,
 }
+# The register cap bcast_scores needs for three CTAs an SM (184 uncapped; no spills at 168)
+FUSED_GLUON_BCAST_MAXNREG = 168
 _fused_gluon = None  # the kernel, built on first use; False: no Gluon here
 # On since its GPU tests and verify on the real trees passed (GPU runs 44-46, H100: 0.62-0.86x
 # FlashInfer's bf16 kernel at 16 heads, against 0.74-0.96x for the Triton kernel): a config

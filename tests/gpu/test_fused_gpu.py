@@ -418,7 +418,7 @@ def _split_kernel_name():
 # FUSED_GLUON_TUNING's variants (session 20, compiled only until a device runs this test):
 # copies of 8 rows a warp, and with them the scores summed in every warp at a 168 cap
 GLUON_VARIANTS = {"default": {}, "copy8": {"copy_rows": 8},
-                  "copy8_bcast": {"copy_rows": 8, "bcast_scores": True, "maxnreg": 168}}
+                  "copy8_bcast": {"copy_rows": 8, "bcast_scores": True, "maxnreg": RT.FUSED_GLUON_BCAST_MAXNREG}}
 
 
 @pytest.mark.parametrize("variant", list(GLUON_VARIANTS))
